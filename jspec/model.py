@@ -1,0 +1,237 @@
+"""Qwen2 as Flax modules over an explicit params pytree and an explicit KV cache.
+
+    forward(params, cfg, tokens[B, T], cache) -> (logits[B, T, V], cache)
+
+Axis names used in shape comments and einsum strings:
+  B batch, T new tokens, S cache slots, D model width, F MLP width,
+  N query heads, K key/value heads, G = N / K query heads per kv head,
+  H head width, V vocabulary, L layers.
+
+The layers run as a Python loop over per-layer params (unrolled in the XLA
+program), not as `lax.scan` over stacked params: on XLA CPU the scan's dynamic
+slice copies every layer's weights on every step, which cost 2.7x in decode
+(9 GB/s against the 25 GB/s memory roof; see README "Design measurements").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jspec import cache as cache_lib
+from jspec import config as config_lib
+
+Params = Any  # nested dict of arrays, as returned by `init_params` or `convert`.
+
+
+class RMSNorm(nn.Module):
+  """Root-mean-square norm, computed in float32 like the reference."""
+
+  eps: float
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:  # [..., D] -> [..., D]
+    weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), x.dtype)
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding, half-split layout (HF `rotate_half`).
+
+  Args:
+    x: [B, T, N, H] queries or keys.
+    positions: [B, T] int32 absolute position of every token.
+    theta: base frequency.
+
+  Returns:
+    [B, T, N, H] rotated, in x's dtype.
+  """
+  half = x.shape[-1] // 2
+  # Angles in float32: at positions in the thousands a bf16 angle is off by
+  # whole radians.
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) / half))  # [H/2]
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+  cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)  # [B, T, 1, H/2]
+  sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+  x1, x2 = x[..., :half], x[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class Attention(nn.Module):
+  """Grouped-query attention over the cache, with q/k/v biases and no o bias."""
+
+  cfg: config_lib.Qwen2Config
+  dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x, positions, k_buf, v_buf, layer, starts):
+    """Attends T new tokens to the cached prefix and to each other.
+
+    Args:
+      x: [B, T, D] normed hidden states.
+      positions: [B, T] int32 positions (= slots) of the new tokens.
+      k_buf: [L, B, S, K, H] key cache of all layers.
+      v_buf: [L, B, S, K, H] value cache of all layers.
+      layer: static index of this layer in the cache.
+      starts: [B] int32 slot of the first new token per row.
+
+    Returns:
+      ([B, T, D] output, k_buf, v_buf) with this chunk's keys and values written.
+    """
+    cfg = self.cfg
+    b, t, _ = x.shape
+    n, k, g, h = cfg.num_heads, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
+    dense = lambda feats, name, bias: nn.Dense(
+        feats, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name)
+    q = dense(n * h, "q_proj", True)(x).reshape(b, t, n, h)
+    new_k = dense(k * h, "k_proj", True)(x).reshape(b, t, k, h)
+    new_v = dense(k * h, "v_proj", True)(x).reshape(b, t, k, h)
+    q = rope(q, positions, cfg.rope_theta)
+    new_k = rope(new_k, positions, cfg.rope_theta)
+    k_buf = cache_lib.write_layer(k_buf, layer, new_k, starts)
+    v_buf = cache_lib.write_layer(v_buf, layer, new_v, starts)
+    keys, values = k_buf[layer], v_buf[layer]  # [B, S, K, H]
+
+    q = q.reshape(b, t, k, g, h)  # query head n = k * G + g, as HF repeat_kv
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys,
+                        preferred_element_type=jnp.float32) * (h ** -0.5)
+    # A slot is visible iff it holds a position at or before the query's: this
+    # is the causal mask inside the chunk and hides everything past a row's
+    # length (rolled-back drafts, padding, never-written slots) at once.
+    slots = jnp.arange(keys.shape[1], dtype=jnp.int32)
+    visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, values).reshape(b, t, n * h)
+    return dense(cfg.hidden_size, "o_proj", False)(out), k_buf, v_buf
+
+
+class MLP(nn.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  cfg: config_lib.Qwen2Config
+  dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, D]
+    dense = lambda feats, name: nn.Dense(
+        feats, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name=name)
+    f = self.cfg.intermediate_size
+    hidden = nn.silu(dense(f, "gate_proj")(x)) * dense(f, "up_proj")(x)  # [B, T, F]
+    return dense(self.cfg.hidden_size, "down_proj")(hidden)
+
+
+class DecoderBlock(nn.Module):
+  """Pre-norm attention and MLP with residuals."""
+
+  cfg: config_lib.Qwen2Config
+  dtype: jnp.dtype
+  layer: int
+
+  @nn.compact
+  def __call__(self, x, positions, k_buf, v_buf, starts):
+    eps = self.cfg.rms_norm_eps
+    attn_out, k_buf, v_buf = Attention(self.cfg, self.dtype, name="self_attn")(
+        RMSNorm(eps, name="input_layernorm")(x), positions, k_buf, v_buf, self.layer, starts)
+    x = x + attn_out
+    x = x + MLP(self.cfg, self.dtype, name="mlp")(RMSNorm(eps, name="post_attention_layernorm")(x))
+    return x, k_buf, v_buf
+
+
+class Qwen2(nn.Module):
+  """The whole decoder: embeddings, L blocks, final norm, output head."""
+
+  cfg: config_lib.Qwen2Config
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, tokens, cache: cache_lib.KVCache, logits_at: Optional[jax.Array] = None,
+               head_rows: Optional[jax.Array] = None):
+    """Runs T new tokens per row after each row's cached prefix.
+
+    Args:
+      tokens: [B, T] int32 token ids.
+      cache: the KV cache; row b's new tokens go at slots lengths[b] + [0, T).
+      logits_at: optional [B, T'] indices into T: compute logits only there
+        (prefill needs one position per row; the head is V x D per position).
+      head_rows: optional [V'] token ids: compute logits only for these
+        vocabulary rows (a cheaper draft head; see `jspec.drafters`).
+
+    Returns:
+      ([B, T or T', V or V'] float32 logits, cache with lengths advanced by T).
+    """
+    cfg = self.cfg
+    embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
+                     param_dtype=self.dtype, name="embed_tokens")
+    t = tokens.shape[1]
+    starts = cache.lengths
+    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    x = embed(tokens)  # [B, T, D]
+    k_buf, v_buf = cache.k, cache.v
+    for layer in range(cfg.num_layers):
+      x, k_buf, v_buf = DecoderBlock(cfg, self.dtype, layer, name=f"layers_{layer}")(
+          x, positions, k_buf, v_buf, starts)
+    if logits_at is not None:
+      x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)  # [B, T', D]
+    x = RMSNorm(cfg.rms_norm_eps, name="norm")(x)
+    if cfg.tie_word_embeddings:
+      table = embed.embedding  # [V, D]
+    else:
+      table = self.param("lm_head", nn.initializers.normal(0.02),
+                         (cfg.vocab_size, cfg.hidden_size), self.dtype)  # [V, D]
+    if head_rows is not None:
+      table = table[head_rows]  # [V', D]
+    logits = jnp.einsum("BTD,VD->BTV", x, table, preferred_element_type=jnp.float32)
+    return logits, cache.replace(k=k_buf, v=v_buf, lengths=starts + t)
+
+
+def forward(params: Params, cfg: config_lib.Qwen2Config, tokens: jax.Array,
+            cache: cache_lib.KVCache, logits_at: Optional[jax.Array] = None,
+            head_rows: Optional[jax.Array] = None):
+  """Pure functional forward pass (see `Qwen2.__call__`).
+
+  Args:
+    params: the model's params pytree (`{"embed_tokens": ..., "layers_0": ...}`).
+    cfg: its config.
+    tokens: [B, T] int32 token ids (the caller checks they are in range).
+    cache: KV cache to read and extend.
+    logits_at: optional [B, T'] positions within T to compute logits at.
+    head_rows: optional [V'] vocabulary rows to compute logits for.
+
+  Returns:
+    ([B, T', V'] float32 logits, updated cache).
+  """
+  dtype = params["embed_tokens"]["embedding"].dtype
+  return Qwen2(cfg, dtype).apply({"params": params}, tokens, cache, logits_at, head_rows)
+
+
+def init_params(cfg: config_lib.Qwen2Config, key: jax.Array, dtype=jnp.float32,
+                scale: float = 0.02) -> Params:
+  """Random params of the right shapes (tests and shape-only benchmarks).
+
+  Args:
+    cfg: the config.
+    key: PRNG key.
+    dtype: param dtype.
+    scale: standard deviation of every weight and bias (norm weights are
+      1 + noise so that they are not all equal).
+
+  Returns:
+    The params pytree.
+  """
+  cache = cache_lib.init(cfg, 1, 2, dtype)
+  shapes = jax.eval_shape(lambda: Qwen2(cfg, dtype).init(key, jnp.zeros((1, 1), jnp.int32), cache))
+  leaves, tree = jax.tree_util.tree_flatten_with_path(shapes["params"])
+  keys = jax.random.split(key, len(leaves))
+  out = []
+  for (path, leaf), k in zip(leaves, keys):
+    noise = scale * jax.random.normal(k, leaf.shape, jnp.float32)
+    if "norm" in jax.tree_util.keystr(path):
+      noise = noise + 1.0
+    out.append(noise.astype(dtype))
+  return jax.tree_util.tree_unflatten(tree, out)
