@@ -378,6 +378,7 @@ def assemble(name_or_source, cache=None, progress=True):
             raise FetchError(
                 f"{source.name}: assembled file does not verify: expected {source.size} bytes"
                 f" sha256 {source.sha256}, got {written} bytes sha256 {digest}")
+        os.chmod(tmp, 0o644)  # NamedTemporaryFile makes it 0600; a cache may be shared
         os.replace(tmp, final)
         _write_stamp(final, digest)
     return final

@@ -77,6 +77,16 @@ def test_assemble_gives_exact_bytes_and_never_imports(fake):
         [source.filename, source.filename + ".sha256", source.filename + ".lock"])
 
 
+def test_progress_bars_go_to_stderr(fake, capsys):
+    source, data, cache = fake
+    path = fetch.assemble(source, cache=cache, progress=True)
+    path.with_name(path.name + ".sha256").unlink()
+    fetch.assemble(source, cache=cache, progress=True)  # rehash with a bar
+    out = capsys.readouterr()
+    assert out.out == "" and "assemble" in out.err and "verify" in out.err
+    assert path.read_bytes() == data
+
+
 def test_second_call_uses_cache_without_reading_parts(fake):
     source, data, cache = fake
     fetch.assemble(source, cache=cache, progress=False)
@@ -147,6 +157,20 @@ def test_wrong_size_raises_and_leaves_nothing(fake):
     assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []
 
 
+def test_part_of_wrong_size_fails_before_copying(fake, monkeypatch):
+    source, _, cache = fake
+    part = _part_path(source, 2)
+    part.write_bytes(part.read_bytes()[:-1])  # e.g. a different package version
+
+    def no_copy(*a, **k):
+        raise AssertionError("copied parts whose sizes cannot add up")
+
+    monkeypatch.setattr(fetch, "_concatenate", no_copy)
+    with pytest.raises(fetch.FetchError, match="reinstall"):
+        fetch.assemble(source, cache=cache, progress=False)
+    assert not (cache / source.filename).exists()
+
+
 def _bump_mtime(path):
     # Coarse file-system clocks can leave mtime unchanged by a quick rewrite;
     # move it on explicitly so the test models a real later modification.
@@ -198,6 +222,33 @@ def test_leftover_partial_is_ignored_and_cleaned(fake):
     assert path.read_bytes() == data
     assert not leftover.exists()
     assert not list(cache.glob("*.partial"))
+
+
+def test_interrupted_assembly_leaves_no_file(fake, monkeypatch):
+    source, data, cache = fake
+    real_bar = fetch._bar
+
+    class Interrupting:
+        """A progress bar that interrupts the copy after the first chunk."""
+
+        def __init__(self, *a, **k):
+            self.bar = real_bar(*a, **k)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.bar.close()
+
+        def update(self, n):
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(fetch, "_bar", Interrupting)
+        with pytest.raises(KeyboardInterrupt):
+            fetch.assemble(source, cache=cache, progress=False)
+    assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []
+    assert fetch.assemble(source, cache=cache, progress=False).read_bytes() == data
 
 
 def test_partial_with_final_size_is_not_a_finished_file(fake):
