@@ -1,0 +1,9 @@
+"""jspec: speculative decoding for Qwen2-family models as one compiled JAX program.
+
+    bundle = jspec.load("qwen2.5-coder")
+    result = jspec.generate(bundle, "def quicksort(arr):")
+"""
+
+from jspec.api import Bundle, Model, Result, check_pair, generate, stream
+
+__all__ = ["Bundle", "Model", "Result", "check_pair", "generate", "stream"]

@@ -1,0 +1,365 @@
+"""The public entry points: `generate` and `stream` over a loaded model pair.
+
+Host work happens here and only here: tokenize, validate, bucket and pad the
+prompts, fetch (or compile once) the two XLA programs, run them, detokenize.
+The decode loop itself never returns to Python between rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec import config as config_lib
+from jspec import decode
+from jspec import sampling
+
+Prompt = Union[str, Sequence[int]]
+
+# Prompt widths and generation lengths are rounded up to these buckets so a
+# new prompt length reuses an already compiled program.
+_MIN_BUCKET = 16
+MAX_BATCH = 64
+
+
+@dataclasses.dataclass
+class Model:
+  """One model: its config and params pytree (on device)."""
+
+  cfg: config_lib.Qwen2Config
+  params: Any
+
+
+@dataclasses.dataclass
+class Bundle:
+  """What `jspec.load` returns and `generate` takes: target, optional draft, tokenizer.
+
+  Attributes:
+    target: the model whose distribution is sampled.
+    draft: the small draft model, or None (prompt lookup and target-only still work).
+    tokenizer: text <-> ids (a `jspec.tokenizer.Tokenizer`), or None for id-only use.
+    vocab_limit: ids at or past this are embedding padding, never sampled
+      (set by `check_pair`); None when target and draft use every row.
+  """
+
+  target: Model
+  draft: Optional[Model] = None
+  tokenizer: Any = None
+  vocab_limit: Optional[int] = None
+
+  def __post_init__(self):
+    if self.draft is not None and self.vocab_limit is None:
+      self.vocab_limit = check_pair(self.target.cfg, self.draft.cfg, self.tokenizer)
+
+
+def check_pair(target: config_lib.Qwen2Config, draft: config_lib.Qwen2Config,
+               tokenizer: Any = None) -> Optional[int]:
+  """Checks that a draft can speak for a target: same vocabulary, maybe padded.
+
+  Args:
+    target: target config.
+    draft: draft config.
+    tokenizer: the shared tokenizer, if any (its size is the real vocabulary).
+
+  Returns:
+    The number of real tokens when one table is padded past it (those
+    padding rows are then masked out of both p and q), else None.
+
+  Raises:
+    ValueError: the vocabularies differ beyond padding.
+  """
+  real = getattr(tokenizer, "vocab_size", None)
+  if target.vocab_size == draft.vocab_size and (real is None or real >= target.vocab_size):
+    return None
+  shared = min(target.vocab_size, draft.vocab_size)
+  if real is None or real > shared:
+    raise ValueError(
+        f"draft vocabulary ({draft.vocab_size} rows) does not match the target's "
+        f"({target.vocab_size} rows)" + (f" for a tokenizer of {real} tokens" if real else "")
+        + "; a draft must share the target's tokenizer")
+  return real
+
+
+@dataclasses.dataclass
+class Result:
+  """One row's generation.
+
+  Attributes:
+    text: decoded new text (None without a tokenizer).
+    token_ids: the new token ids.
+    stats: counts and timings (see `generate`).
+  """
+
+  text: Optional[str]
+  token_ids: list[int]
+  stats: dict[str, Any]
+
+
+def _bucket(n: int) -> int:
+  return max(_MIN_BUCKET, 1 << (n - 1).bit_length())
+
+
+def _encode(bundle: Bundle, prompt: Prompt) -> list[int]:
+  if isinstance(prompt, str):
+    if bundle.tokenizer is None:
+      raise ValueError("a text prompt needs a tokenizer; this bundle has none (pass token ids)")
+    if not prompt:
+      raise ValueError("empty prompt: expected at least one character")
+    return list(bundle.tokenizer.encode(prompt))
+  try:
+    ids = [int(t) for t in prompt]
+  except (TypeError, ValueError):
+    raise ValueError(f"prompt must be a string or a sequence of token ids, got {type(prompt).__name__}") from None
+  if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in prompt):
+    raise ValueError("prompt token ids must be integers")
+  return ids
+
+
+def _spec(bundle: Bundle, method: str, temperature: float, top_k: int, top_p: float,
+          gamma: int, gamma_max: Optional[int], policy: str, min_confidence: float,
+          ngram: int, stop_at_eos: bool) -> decode.Spec:
+  samp = sampling.Sampling(float(temperature), top_k, float(top_p), bundle.vocab_limit)
+  eos = ()
+  if stop_at_eos:
+    eos = tuple(getattr(bundle.tokenizer, "eos_token_ids", ()) or bundle.target.cfg.eos_token_ids)
+  if method == "target":
+    return decode.Spec(bundle.target.cfg, None, "target", samp, 0, 0, "fixed", 0.0, 3, eos)
+  if method == "model" and bundle.draft is None:
+    raise ValueError("method 'model' needs a draft model; load one or use method='prompt_lookup'")
+  if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1:
+    raise ValueError(f"gamma={gamma!r}: expected an integer >= 1")
+  g_max = gamma if gamma_max is None else gamma_max
+  if policy in ("heuristic", "confidence") and gamma_max is None:
+    g_max = max(gamma, 8)
+  draft_cfg = bundle.draft.cfg if method == "model" else None
+  return decode.Spec(bundle.target.cfg, draft_cfg, method, samp, g_max, gamma, policy,
+                     float(min_confidence), ngram, eos)
+
+
+class _Programs:
+  """Compiled prefill/run executables, keyed by spec and shapes (compile once)."""
+
+  def __init__(self):
+    self.cache: dict[Any, Any] = {}
+    self.compiles = 0  # how many programs this process compiled (tests read it)
+
+  def get(self, name: str, fn, args, static: dict):
+    key = (name, tuple(sorted(static.items())), jax.tree.map(
+        lambda x: (x.shape, x.dtype) if hasattr(x, "shape") else x, args))
+    key = (key[0], key[1], str(key[2]))
+    if key not in self.cache:
+      t0 = time.perf_counter()
+      self.cache[key] = fn.lower(*args, **static).compile()
+      self.compiles += 1
+      return self.cache[key], time.perf_counter() - t0
+    return self.cache[key], 0.0
+
+
+PROGRAMS = _Programs()
+
+
+@dataclasses.dataclass
+class _Prepared:
+  spec: decode.Spec
+  prompts: list[list[int]]
+  prompt: jax.Array  # [B, P]
+  prompt_len: jax.Array  # [B]
+  max_new: jax.Array  # [B]
+  width: int
+  key: jax.Array
+
+
+def _prepare(bundle: Bundle, prompt, max_new_tokens, temperature, top_k, top_p, gamma,
+             gamma_max, method, policy, min_confidence, ngram, seed, stop_at_eos) -> _Prepared:
+  if method not in decode.METHODS:
+    raise ValueError(f"method={method!r}: expected one of {decode.METHODS}")
+  if isinstance(prompt, str) or (len(prompt) > 0 and isinstance(prompt[0], (int, np.integer))):
+    prompts = [prompt]
+  else:
+    prompts = list(prompt)
+    if not prompts:
+      raise ValueError("empty batch: expected at least one prompt")
+    if len(prompts) > MAX_BATCH:
+      raise ValueError(f"batch of {len(prompts)} prompts exceeds the maximum of {MAX_BATCH}")
+    for i, item in enumerate(prompts):
+      if not isinstance(item, (str, list, tuple, np.ndarray)):
+        raise ValueError(f"batch item {i} is a {type(item).__name__}: expected a string or token ids")
+  ids = [_encode(bundle, p) for p in prompts]
+  if any(len(i) == 0 for i in ids):
+    raise ValueError("empty prompt: expected at least one token")
+  vocab = bundle.vocab_limit or bundle.target.cfg.vocab_size
+  for row in ids:
+    bad = [t for t in row if not 0 <= t < vocab]
+    if bad:
+      raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+  if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
+  longest = max(len(i) for i in ids)
+  context = bundle.target.cfg.max_position_embeddings
+  if longest + max_new_tokens > context:
+    raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds "
+                     f"the model's context of {context} tokens")
+  spec = _spec(bundle, method, temperature, top_k, top_p, gamma, gamma_max, policy,
+               min_confidence, ngram, stop_at_eos)
+  p_width = _bucket(longest)
+  width = decode.buffer_width(p_width, _bucket(max_new_tokens), spec.gamma_max)
+  padded = np.zeros((len(ids), p_width), np.int32)
+  for r, row in enumerate(ids):
+    padded[r, :len(row)] = row
+  return _Prepared(spec, ids, jnp.asarray(padded), jnp.asarray([len(i) for i in ids], jnp.int32),
+                   jnp.full((len(ids),), max_new_tokens, jnp.int32), width,
+                   jax.random.key(int(seed)))
+
+
+def _programs(bundle: Bundle, prep: _Prepared, state_like=None):
+  dparams = bundle.draft.params if prep.spec.method == "model" else None
+  args = (bundle.target.params, dparams, prep.prompt, prep.prompt_len, prep.max_new, prep.key)
+  pre, t_pre = PROGRAMS.get("prefill", decode.prefill, args,
+                            {"spec": prep.spec, "width": prep.width})
+  state_shape = jax.eval_shape(lambda: decode.prefill(*args, spec=prep.spec, width=prep.width))
+  run, t_run = PROGRAMS.get("run", decode.run,
+                            (bundle.target.params, dparams, state_shape, jnp.int32(0)),
+                            {"spec": prep.spec})
+  return dparams, pre, run, t_pre + t_run
+
+
+def _stats(state: decode.State, row: int, n_new: int, compile_s: float, prefill_s: float,
+           decode_s: float) -> dict[str, Any]:
+  rounds = int(state.row_rounds[row])
+  drafted, accepted = int(state.drafted[row]), int(state.accepted[row])
+  return {
+      "new_tokens": n_new,
+      "rounds": rounds,
+      "drafted": drafted,
+      "accepted": accepted,
+      "acceptance_rate": accepted / drafted if drafted else float("nan"),
+      # The prefill emits the first token; every round emits the rest.
+      "mean_tokens_per_round": (n_new - 1) / rounds if rounds else float("nan"),
+      "accepted_histogram": np.asarray(state.hist[row]).tolist(),
+      "gamma_trace": np.asarray(state.gamma_trace[row, :rounds]).tolist(),
+      "compile_s": compile_s,
+      "prefill_s": prefill_s,
+      "decode_s": decode_s,
+      "tokens_per_s": n_new / (prefill_s + decode_s) if prefill_s + decode_s > 0 else float("nan"),
+  }
+
+
+def _decode_text(bundle: Bundle, ids: list[int]) -> Optional[str]:
+  return None if bundle.tokenizer is None else bundle.tokenizer.decode(ids)
+
+
+def generate(bundle: Bundle, prompt: Union[Prompt, Sequence[Prompt]], *,
+             max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, method: str = "model", gamma: int = 4,
+             gamma_max: Optional[int] = None, policy: str = "fixed",
+             min_confidence: float = 0.5, ngram: int = 3, seed: int = 0,
+             stop_at_eos: bool = True) -> Union[Result, list[Result]]:
+  """Generates a continuation of one prompt or a batch of prompts.
+
+  Args:
+    bundle: target (+ draft) and tokenizer, from `jspec.load`.
+    prompt: a string, a sequence of token ids, or a list of either (a batch;
+      rows may differ in length and each advances by its own accepted count).
+    max_new_tokens: tokens to generate per row (fewer if EOS comes first).
+    temperature: 0 for greedy, else the sampling temperature.
+    top_k: keep the k most likely tokens (0: off).
+    top_p: nucleus mass (1: off).
+    method: "model" (draft model), "prompt_lookup" (n-gram copy, no draft
+      model), or "target" (the target alone: the baseline).
+    gamma: drafts per round (the starting value for adaptive policies).
+    gamma_max: static bound on gamma (default: gamma, or 8 when adaptive).
+    policy: "fixed", "heuristic" (+2 / -1) or "confidence" (stop drafting
+      when the draft's top probability < min_confidence).
+    min_confidence: threshold of the "confidence" policy.
+    ngram: n-gram length for prompt lookup.
+    seed: one seed reproduces one generation exactly.
+    stop_at_eos: end a row at the tokenizer's (or config's) EOS tokens.
+
+  Returns:
+    A `Result` for one prompt, a list of them for a batch. `stats` holds
+    new_tokens, rounds, drafted, accepted, acceptance_rate,
+    mean_tokens_per_round, accepted_histogram, gamma_trace, compile_s,
+    prefill_s, decode_s and tokens_per_s (new tokens over prefill + decode,
+    compile excluded).
+  """
+  single = isinstance(prompt, str) or (len(prompt) > 0 and isinstance(prompt[0], (int, np.integer)))
+  prep = _prepare(bundle, prompt, max_new_tokens, temperature, top_k, top_p, gamma, gamma_max,
+                  method, policy, min_confidence, ngram, seed, stop_at_eos)
+  dparams, pre, run, compile_s = _programs(bundle, prep)
+  t0 = time.perf_counter()
+  state = pre(bundle.target.params, dparams, prep.prompt, prep.prompt_len, prep.max_new, prep.key)
+  jax.block_until_ready(state.tokens)
+  t1 = time.perf_counter()
+  state = run(bundle.target.params, dparams, state, jnp.int32(np.iinfo(np.int32).max))
+  tokens = np.asarray(state.tokens)
+  t2 = time.perf_counter()
+  results = []
+  for r, ids in enumerate(prep.prompts):
+    start, end = len(ids), int(state.seq_len[r])
+    new = tokens[r, start:end].tolist()
+    results.append(Result(_decode_text(bundle, new), new,
+                          _stats(state, r, len(new), compile_s, t1 - t0, t2 - t1)))
+  return results[0] if single else results
+
+
+def stream(bundle: Bundle, prompt: Prompt, *, rounds_per_dispatch: int = 4,
+           **kwargs) -> Iterator[tuple[str, list[int]]]:
+  """Yields (text, ids) pieces of one prompt's continuation as rounds finish.
+
+  The compiled loop runs `rounds_per_dispatch` rounds per call and resumes
+  from the returned state, so the pieces concatenate to exactly what
+  `generate` returns for the same arguments and seed. Text is yielded only
+  up to the last complete character: a multi-byte character split across
+  tokens waits for its last byte.
+
+  Args:
+    bundle: target (+ draft) and tokenizer.
+    prompt: one string or sequence of token ids.
+    rounds_per_dispatch: rounds per device call (>= 1).
+    **kwargs: the keyword options of `generate`.
+
+  Yields:
+    (new text, new token ids) since the previous piece; text is "" without a tokenizer.
+  """
+  if not isinstance(rounds_per_dispatch, int) or rounds_per_dispatch < 1:
+    raise ValueError(f"rounds_per_dispatch={rounds_per_dispatch!r}: expected an integer >= 1")
+  if not (isinstance(prompt, str) or (len(prompt) > 0 and isinstance(prompt[0], (int, np.integer)))):
+    raise ValueError("stream takes one prompt (a string or token ids), not a batch")
+  defaults = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, gamma=4,
+                  gamma_max=None, method="model", policy="fixed", min_confidence=0.5,
+                  ngram=3, seed=0, stop_at_eos=True)
+  unknown = set(kwargs) - set(defaults)
+  if unknown:
+    raise TypeError(f"stream() got unexpected keyword arguments {sorted(unknown)}")
+  opts = {**defaults, **kwargs}
+  prep = _prepare(bundle, prompt, **opts)
+  dparams, pre, run, _ = _programs(bundle, prep)
+  state = pre(bundle.target.params, dparams, prep.prompt, prep.prompt_len, prep.max_new, prep.key)
+  start = len(prep.prompts[0])
+  emitted_ids, emitted_text = start, ""
+  limit = 0
+  while True:
+    seq_len = int(state.seq_len[0])
+    if seq_len > emitted_ids or bool(state.done[0]):
+      all_new = np.asarray(state.tokens[0, start:seq_len]).tolist()
+      text = _decode_text(bundle, all_new) or ""
+      if not bool(state.done[0]) and text.endswith("\ufffd"):
+        text = text[:-1]  # an incomplete UTF-8 sequence: wait for its last byte
+      piece_ids = all_new[emitted_ids - start:]
+      if text.startswith(emitted_text):
+        piece, emitted_text = text[len(emitted_text):], text
+      else:
+        piece, emitted_text = "", emitted_text
+      if piece_ids or piece:
+        yield piece, piece_ids
+      emitted_ids = seq_len
+    if bool(state.done[0]):
+      return
+    limit += rounds_per_dispatch
+    state = run(bundle.target.params, dparams, state, jnp.int32(limit))

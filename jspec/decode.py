@@ -1,0 +1,300 @@
+"""The compiled decode loop: prefill, then one `lax.while_loop` over rounds.
+
+One driver serves every method. A round verifies [x_{n-1}, d_1 .. d_G] with
+one target forward and accepts by rejection sampling (`jspec.speculative`):
+
+  method "target"         G = 0: the verify is a single-token step and the
+                          round is plain KV-cached autoregressive decoding;
+                          the fair baseline, compiled the same way.
+  method "model"          drafts from a small draft model (`drafters.draft_model`).
+  method "prompt_lookup"  drafts copied from earlier n-gram matches.
+
+Rollback is a change of lengths: after each round the target cache is set to
+hold every token but the last, whatever the verify wrote past that is masked
+and later overwritten. Rows advance by their own accepted counts.
+
+A generation is two programs: `prefill` (per prompt-length bucket) and `run`
+(the while_loop, resumable with a round limit, which is how streaming works).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jspec import cache as cache_lib
+from jspec import config as config_lib
+from jspec import drafters
+from jspec import model
+from jspec import sampling
+from jspec import speculative
+
+METHODS = ("target", "model", "prompt_lookup")
+POLICIES = ("fixed", "heuristic", "confidence")
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """Everything static about a generation (hashable: it keys the compile cache).
+
+  Attributes:
+    target: target config.
+    draft: draft config (method "model" only).
+    method: one of METHODS.
+    sampling: sampling settings shared by target and draft.
+    gamma_max: G, draft slots per round (shapes); 0 for method "target".
+    gamma: starting speculation length (1..G).
+    policy: "fixed" keeps gamma; "heuristic" does +2 after a fully accepted
+      round and -1 otherwise (HF); "confidence" drafts up to G but stops a row
+      once the draft's top probability is below `min_confidence`.
+    min_confidence: threshold of the "confidence" policy.
+    ngram: n-gram length for prompt lookup.
+    eos_ids: tokens that end a row.
+  """
+
+  target: config_lib.Qwen2Config
+  draft: Optional[config_lib.Qwen2Config] = None
+  method: str = "model"
+  sampling: sampling.Sampling = sampling.Sampling()
+  gamma_max: int = 4
+  gamma: int = 4
+  policy: str = "fixed"
+  min_confidence: float = 0.0
+  ngram: int = 3
+  eos_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if self.method not in METHODS:
+      raise ValueError(f"method={self.method!r}: expected one of {METHODS}")
+    if self.policy not in POLICIES:
+      raise ValueError(f"policy={self.policy!r}: expected one of {POLICIES}")
+    if self.method == "target":
+      if self.gamma_max != 0:
+        raise ValueError("method 'target' drafts nothing: gamma_max must be 0")
+    else:
+      if not isinstance(self.gamma_max, int) or self.gamma_max < 1:
+        raise ValueError(f"gamma_max={self.gamma_max!r}: expected an integer >= 1")
+      if not 1 <= self.gamma <= self.gamma_max:
+        raise ValueError(f"gamma={self.gamma!r}: expected 1 <= gamma <= gamma_max={self.gamma_max}")
+    if self.method == "model" and self.draft is None:
+      raise ValueError("method 'model' needs a draft config")
+    if self.method == "prompt_lookup" and (not isinstance(self.ngram, int) or self.ngram < 1):
+      raise ValueError(f"ngram={self.ngram!r}: expected an integer >= 1")
+
+
+@flax.struct.dataclass
+class State:
+  """What the decode loop carries from round to round.
+
+  Attributes:
+    target_cache: target KV cache, [L, B, S, K, H] buffers.
+    draft_cache: draft KV cache (method "model"), else None.
+    tokens: [B, W] int32 prompt followed by generated tokens.
+    seq_len: [B] int32 valid tokens per row in `tokens`.
+    prompt_len: [B] int32 prompt tokens per row.
+    max_new: [B] int32 most tokens to generate per row.
+    done: [B] bool row finished (EOS or max_new).
+    key: PRNG key; round r uses fold_in(key, r).
+    rounds: [] int32 rounds run so far.
+    gamma: [B] int32 speculation length for the next round.
+    row_rounds: [B] int32 rounds in which the row was still active.
+    drafted: [B] int32 drafts proposed (that counted).
+    accepted: [B] int32 drafts accepted.
+    hist: [B, G+1] int32 rounds by number of drafts accepted.
+    gamma_trace: [B, R] int32 effective gamma of each round (R = W).
+  """
+
+  target_cache: cache_lib.KVCache
+  draft_cache: Optional[cache_lib.KVCache]
+  tokens: jax.Array
+  seq_len: jax.Array
+  prompt_len: jax.Array
+  max_new: jax.Array
+  done: jax.Array
+  key: jax.Array
+  rounds: jax.Array
+  gamma: jax.Array
+  row_rounds: jax.Array
+  drafted: jax.Array
+  accepted: jax.Array
+  hist: jax.Array
+  gamma_trace: jax.Array
+
+
+def buffer_width(prompt_width: int, max_new: int, gamma_max: int) -> int:
+  """Slots per row for tokens and caches: room for a full verify chunk at the end.
+
+  Args:
+    prompt_width: padded prompt length P.
+    max_new: most tokens generated.
+    gamma_max: G.
+
+  Returns:
+    W = P + max_new + G + 2, so a chunk of G + 1 written at the last valid
+    position never falls off (dynamic_update_slice would clamp it back over
+    valid entries instead).
+  """
+  return prompt_width + max_new + gamma_max + 2
+
+
+def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+  out = jnp.zeros(tokens.shape, bool)
+  for e in eos_ids:
+    out |= tokens == e
+  return out
+
+
+def _write_rows(buf: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
+  """buf [B, W], new [B, T], starts [B] -> buf with new[b] at starts[b]."""
+  return jax.vmap(lambda r, n, s: jax.lax.dynamic_update_slice(r, n, (s,)))(buf, new, starts)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "width"))
+def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Array,
+            max_new: jax.Array, key: jax.Array, *, spec: Spec, width: int) -> State:
+  """Encodes the prompts and samples each row's first token from the target.
+
+  Args:
+    target_params: target params.
+    draft_params: draft params (method "model"), else None.
+    prompt: [B, P] int32 prompts, right-padded.
+    prompt_len: [B] int32 real prompt lengths (1..P).
+    max_new: [B] int32 tokens to generate per row (>= 1).
+    key: PRNG key of the whole generation.
+    spec: static generation settings.
+    width: static W from `buffer_width`.
+
+  Returns:
+    The loop state after one generated token per row.
+  """
+  b, p_width = prompt.shape
+  t_cfg = spec.target
+  tcache = cache_lib.init(t_cfg, b, width, _dtype(target_params))
+  logits, tcache = model.forward(target_params, t_cfg, prompt, tcache,
+                                 logits_at=(prompt_len - 1)[:, None])
+  # Padding slots past each prompt were written but are now rolled back.
+  tcache = cache_lib.with_lengths(tcache, prompt_len)
+  p = sampling.probs(logits[:, 0], spec.sampling)
+  first = sampling.sample(jax.random.fold_in(key, 0), p, spec.sampling)  # [B]
+  tokens = jnp.zeros((b, width), jnp.int32).at[:, :p_width].set(prompt)
+  tokens = _write_rows(tokens, first[:, None], prompt_len)
+
+  dcache = None
+  if spec.method == "model":
+    dcache = cache_lib.init(spec.draft, b, width, _dtype(draft_params))
+    _, dcache = model.forward(draft_params, spec.draft, prompt, dcache,
+                              logits_at=jnp.zeros((b, 1), jnp.int32))
+    dcache = cache_lib.with_lengths(dcache, prompt_len)
+
+  g = spec.gamma_max
+  zeros = jnp.zeros((b,), jnp.int32)
+  return State(
+      target_cache=tcache, draft_cache=dcache, tokens=tokens, seq_len=prompt_len + 1,
+      prompt_len=prompt_len, max_new=max_new,
+      done=_is_eos(first, spec.eos_ids) | (max_new <= 1), key=key,
+      rounds=jnp.int32(0), gamma=jnp.full((b,), spec.gamma if g else 0, jnp.int32),
+      row_rounds=zeros, drafted=zeros, accepted=zeros,
+      hist=jnp.zeros((b, g + 1), jnp.int32), gamma_trace=jnp.zeros((b, width), jnp.int32))
+
+
+def _dtype(params) -> jnp.dtype:
+  return params["embed_tokens"]["embedding"].dtype
+
+
+def _round(target_params, draft_params, state: State, spec: Spec) -> State:
+  """One draft / verify / accept / roll-back round for every row."""
+  g = spec.gamma_max
+  b = state.tokens.shape[0]
+  vocab = spec.target.vocab_size
+  key = jax.random.fold_in(state.key, state.rounds + 1)
+  draft_key, accept_key = jax.random.split(key)
+
+  # 1. Draft.
+  dcache = state.draft_cache
+  if spec.method == "model":
+    drafts, q, gamma_eff, dcache = drafters.draft_model(
+        draft_params, spec.draft, dcache, state.tokens, state.seq_len, state.gamma,
+        draft_key, spec.sampling, g, vocab,
+        spec.min_confidence if spec.policy == "confidence" else 0.0)
+  elif spec.method == "prompt_lookup":
+    drafts, q, gamma_eff = drafters.prompt_lookup(
+        state.tokens, state.seq_len, state.gamma, g, spec.ngram, vocab)
+  else:
+    drafts = jnp.zeros((b, 0), jnp.int32)
+    q = jnp.zeros((b, 0, vocab), jnp.float32)
+    gamma_eff = jnp.zeros((b,), jnp.int32)
+
+  # 2. Verify [x_{n-1}, d_1 .. d_G] in one target forward.
+  last = jnp.take_along_axis(state.tokens, (state.seq_len - 1)[:, None], axis=1)  # [B, 1]
+  tcache = cache_lib.with_lengths(state.target_cache, state.seq_len - 1)
+  logits, tcache = model.forward(target_params, spec.target,
+                                 jnp.concatenate([last, drafts], axis=1), tcache)
+  p = sampling.probs(logits, spec.sampling)  # [B, G+1, V]
+
+  # 3. Accept.
+  n, next_token = speculative.accept(accept_key, drafts, q, p, gamma_eff, spec.sampling)
+  pos = jnp.arange(g + 1)[None]  # [1, G+1]
+  block = jnp.where(pos < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), next_token[:, None])
+
+  # 4. Emit: stop at the first EOS in the block and at max_new.
+  eos = _is_eos(block, spec.eos_ids) & (pos <= n[:, None])
+  hit_eos = jnp.any(eos, axis=1)
+  n_emit = jnp.where(hit_eos, jnp.argmax(eos, axis=1) + 1, n + 1)
+  room = state.max_new - (state.seq_len - state.prompt_len)
+  n_emit = jnp.where(state.done, 0, jnp.minimum(n_emit, room))
+  tokens = _write_rows(state.tokens, block, state.seq_len)
+  seq_len = state.seq_len + n_emit
+  done = state.done | hit_eos | (n_emit >= room)
+
+  # 5. Roll back: the target holds all tokens but the last (the draft is
+  # rolled back at the start of its next round).
+  tcache = cache_lib.with_lengths(tcache, seq_len - 1)
+
+  active = (~state.done).astype(jnp.int32)
+  gamma = state.gamma
+  if spec.policy == "heuristic":
+    gamma = jnp.clip(gamma + jnp.where(n == gamma_eff, 2, -1), 1, g)
+  return state.replace(
+      target_cache=tcache, draft_cache=dcache, tokens=tokens, seq_len=seq_len, done=done,
+      rounds=state.rounds + 1, gamma=jnp.where(state.done, state.gamma, gamma),
+      row_rounds=state.row_rounds + active,
+      drafted=state.drafted + active * gamma_eff,
+      accepted=state.accepted + active * n,
+      hist=state.hist + active[:, None] * jax.nn.one_hot(n, g + 1, dtype=jnp.int32),
+      gamma_trace=_trace(state, gamma_eff))
+
+
+def _trace(state: State, gamma_eff: jax.Array) -> jax.Array:
+  """Records each active row's effective gamma at its own round index."""
+  idx = jnp.minimum(state.row_rounds, state.gamma_trace.shape[1] - 1)
+  vals = jnp.where(state.done, jnp.take_along_axis(state.gamma_trace, idx[:, None], 1)[:, 0],
+                   gamma_eff)
+  return _write_rows(state.gamma_trace, vals[:, None], idx)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def run(target_params, draft_params, state: State, round_limit: jax.Array, *,
+        spec: Spec) -> State:
+  """Runs rounds until every row is done or `round_limit` rounds have run in total.
+
+  Args:
+    target_params: target params.
+    draft_params: draft params (method "model"), else None.
+    state: loop state from `prefill` or a previous `run`.
+    round_limit: [] int32 stop once state.rounds reaches it (streaming
+      dispatches a few rounds at a time; `generate` passes a bound no
+      generation reaches).
+    spec: static generation settings.
+
+  Returns:
+    The state after the last round run.
+  """
+  def cond(s: State):
+    return jnp.any(~s.done) & (s.rounds < round_limit)
+
+  return jax.lax.while_loop(cond, lambda s: _round(target_params, draft_params, s, spec), state)

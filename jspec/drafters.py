@@ -1,0 +1,139 @@
+"""Where drafts come from: a small draft model, or prompt lookup (n-gram copy).
+
+Each drafter proposes up to G = gamma_max tokens per row together with the
+distribution q each was drawn from, and how many of them count (the
+effective gamma). All of it runs inside the compiled decode loop.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jspec import cache as cache_lib
+from jspec import config as config_lib
+from jspec import model
+from jspec import sampling
+
+
+def _gather_rows(buf: jax.Array, idx: jax.Array) -> jax.Array:
+  """buf [B, W], idx [B, T] -> [B, T] (indices clipped into range)."""
+  return jnp.take_along_axis(buf, jnp.clip(idx, 0, buf.shape[1] - 1), axis=1)
+
+
+def _fit_vocab(q: jax.Array, v: int) -> jax.Array:
+  """Pads or cuts q's last axis to the target's vocabulary size v.
+
+  Rows past the shared vocabulary are padding (zero probability under
+  `Sampling.vocab_limit`), so cutting or zero-padding them loses no mass.
+  """
+  if q.shape[-1] > v:
+    return q[..., :v]
+  if q.shape[-1] < v:
+    pad = [(0, 0)] * (q.ndim - 1) + [(0, v - q.shape[-1])]
+    return jnp.pad(q, pad)
+  return q
+
+
+def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
+                tokens: jax.Array, seq_len: jax.Array, gamma: jax.Array, key: jax.Array,
+                s: sampling.Sampling, gamma_max: int, vocab: int,
+                min_confidence: float = 0.0):
+  """Drafts up to gamma tokens per row with the draft model, sampling each from q.
+
+  The draft cache is rolled back to hold every token but the last two, and
+  the first step feeds those two ([x_{n-2}, x_{n-1}]): after a fully accepted
+  round the draft has not yet seen its own last draft d_gamma, and after a
+  rejection rewriting slot n-2 with the same token changes nothing. One
+  static shape serves both cases.
+
+  Args:
+    params: draft params.
+    cfg: draft config.
+    dcache: draft KV cache.
+    tokens: [B, W] int32 prompt + output so far.
+    seq_len: [B] int32 valid tokens per row (>= 2).
+    gamma: [B] int32 drafts wanted per row (1..G).
+    key: PRNG key for the drafts.
+    s: sampling settings (the target's, applied to q too).
+    gamma_max: G, the static number of draft slots.
+    vocab: the target's vocabulary size (q is returned over it).
+    min_confidence: stop drafting a row once the draft's most likely token
+      has probability below this (0 disables; the first draft always counts).
+
+  Returns:
+    (drafts [B, G] int32, q [B, G, vocab] float32, gamma_eff [B] int32,
+    draft cache).
+  """
+  b = tokens.shape[0]
+  dcache = cache_lib.with_lengths(dcache, seq_len - 2)
+  pair = _gather_rows(tokens, seq_len[:, None] + jnp.array([[-2, -1]], jnp.int32))  # [B, 2]
+  logits, dcache = model.forward(params, cfg, pair, dcache,
+                                 logits_at=jnp.ones((b, 1), jnp.int32))
+  q0 = _fit_vocab(sampling.probs(logits[:, 0], s), vocab)  # [B, V]
+  d0 = sampling.sample(jax.random.fold_in(key, 0), q0, s)  # [B]
+  drafts = jnp.zeros((b, gamma_max), jnp.int32).at[:, 0].set(d0)
+  q = jnp.zeros((b, gamma_max, vocab), jnp.float32).at[:, 0].set(q0)
+  # A row keeps drafting while it wants more and stays confident.
+  gamma_eff = jnp.ones((b,), jnp.int32)
+  going = (gamma > 1) & (jnp.max(q0, axis=-1) >= min_confidence)
+
+  def cond(carry):
+    i, _, _, _, _, going = carry
+    return (i < gamma_max) & jnp.any(going)
+
+  def body(carry):
+    i, dcache, drafts, q, gamma_eff, going = carry
+    prev = jax.lax.dynamic_slice_in_dim(drafts, i - 1, 1, axis=1)  # [B, 1] d_i
+    logits, dcache = model.forward(params, cfg, prev, dcache)
+    qi = _fit_vocab(sampling.probs(logits[:, 0], s), vocab)  # [B, V]
+    di = sampling.sample(jax.random.fold_in(key, i), qi, s)
+    drafts = jax.lax.dynamic_update_slice_in_dim(drafts, di[:, None], i, axis=1)
+    q = jax.lax.dynamic_update_slice_in_dim(q, qi[:, None], i, axis=1)
+    confident = jnp.max(qi, axis=-1) >= min_confidence
+    take = going & confident
+    gamma_eff = gamma_eff + take.astype(jnp.int32)
+    going = take & (i + 1 < gamma)
+    return i + 1, dcache, drafts, q, gamma_eff, going
+
+  _, dcache, drafts, q, gamma_eff, _ = jax.lax.while_loop(
+      cond, body, (jnp.int32(1), dcache, drafts, q, gamma_eff, going))
+  return drafts, q, jnp.minimum(gamma_eff, gamma), dcache
+
+
+def prompt_lookup(tokens: jax.Array, seq_len: jax.Array, gamma: jax.Array,
+                  gamma_max: int, ngram: int, vocab: int):
+  """Drafts the tokens that followed the latest earlier occurrence of the last n-gram.
+
+  q is a point mass at each draft, so acceptance happens with probability
+  p(d) and the residual is p with d removed: still exactly the target's
+  distribution. A row whose n-gram never occurred before drafts nothing
+  (gamma_eff 0): the round then emits one target token.
+
+  Args:
+    tokens: [B, W] int32 prompt + output so far.
+    seq_len: [B] int32 valid tokens per row.
+    gamma: [B] int32 most drafts wanted per row.
+    gamma_max: G, static number of draft slots.
+    ngram: static n-gram length to match (>= 1).
+    vocab: the target's vocabulary size.
+
+  Returns:
+    (drafts [B, G] int32, q [B, G, vocab] one-hot, gamma_eff [B] int32).
+  """
+  b, w = tokens.shape
+  suffix = _gather_rows(tokens, seq_len[:, None] - ngram + jnp.arange(ngram)[None])  # [B, n]
+  starts = jnp.arange(w)  # candidate match starts j
+  match = jnp.ones((b, w), bool)
+  for k in range(ngram):
+    shifted = jnp.roll(tokens, -k, axis=1)  # [B, W] shifted[:, j] = tokens[:, j + k]
+    match &= shifted == suffix[:, k:k + 1]
+  # The match must end before the suffix does, so at least one token follows it.
+  match &= (starts[None] + ngram < seq_len[:, None]) & (seq_len[:, None] > ngram)
+  found = jnp.any(match, axis=1)  # [B]
+  j = jnp.max(jnp.where(match, starts[None], -1), axis=1)  # [B] latest match
+  follow = j + ngram  # [B] first copied position
+  drafts = _gather_rows(tokens, follow[:, None] + jnp.arange(gamma_max)[None])  # [B, G]
+  available = seq_len - follow
+  gamma_eff = jnp.where(found, jnp.minimum(gamma, available), 0).astype(jnp.int32)
+  return drafts, jax.nn.one_hot(drafts, vocab, dtype=jnp.float32), gamma_eff
