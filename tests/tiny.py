@@ -1,0 +1,42 @@
+"""Tiny random model pairs for engine tests (prime-ish sizes so shapes can't be confused)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+import jspec
+from jspec import config as config_lib
+from jspec import model
+
+VOCAB = 11
+
+TARGET = config_lib.Qwen2Config(
+    vocab_size=VOCAB, hidden_size=24, intermediate_size=37, num_layers=2, num_heads=6,
+    num_kv_heads=2, head_dim=8, rope_theta=1e4)
+DRAFT = config_lib.Qwen2Config(
+    vocab_size=VOCAB, hidden_size=16, intermediate_size=19, num_layers=1, num_heads=2,
+    num_kv_heads=1, head_dim=8, rope_theta=1e4)
+
+
+def pair(seed: int = 0, scale: float = 0.5, vocab: int = VOCAB) -> jspec.Bundle:
+  """A random target/draft pair over a `vocab`-token vocabulary.
+
+  Args:
+    seed: picks the weights.
+    scale: weight std; 0.5 gives peaked but not degenerate distributions.
+    vocab: vocabulary size.
+
+  Returns:
+    A tokenizer-less bundle (prompts are token ids).
+  """
+  t_cfg = TARGET if vocab == VOCAB else config_lib.Qwen2Config(**{**TARGET.to_dict(), "vocab_size": vocab, "eos_token_ids": ()})
+  d_cfg = DRAFT if vocab == VOCAB else config_lib.Qwen2Config(**{**DRAFT.to_dict(), "vocab_size": vocab, "eos_token_ids": ()})
+  kt, kd = jax.random.split(jax.random.key(seed))
+  return jspec.Bundle(jspec.Model(t_cfg, model.init_params(t_cfg, kt, scale=scale)),
+                      jspec.Model(d_cfg, model.init_params(d_cfg, kd, scale=scale)))
+
+
+def prompt(seed: int, length: int, vocab: int = VOCAB) -> list[int]:
+  """Random token ids."""
+  return np.random.RandomState(seed).randint(0, vocab, size=length).tolist()
