@@ -123,13 +123,13 @@ def _encode(bundle: Bundle, prompt: Prompt) -> list[int]:
 
 def _spec(bundle: Bundle, method: str, temperature: float, top_k: int, top_p: float,
           gamma: int, gamma_max: Optional[int], policy: str, min_confidence: float,
-          ngram: int, stop_at_eos: bool) -> decode.Spec:
+          ngram: int) -> decode.Spec:
+  # EOS ids are data (State.eos): strip them from the static configs so that
+  # a new stop token reuses the compiled program.
+  t_cfg = dataclasses.replace(bundle.target.cfg, eos_token_ids=())
   samp = sampling.Sampling(float(temperature), top_k, float(top_p), bundle.vocab_limit)
-  eos = ()
-  if stop_at_eos:
-    eos = tuple(getattr(bundle.tokenizer, "eos_token_ids", ()) or bundle.target.cfg.eos_token_ids)
   if method == "target":
-    return decode.Spec(bundle.target.cfg, None, "target", samp, 0, 0, "fixed", 0.0, 3, eos)
+    return decode.Spec(t_cfg, None, "target", samp, 0, 0, "fixed", 0.0, 3)
   if method == "model" and bundle.draft is None:
     raise ValueError("method 'model' needs a draft model; load one or use method='prompt_lookup'")
   if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1:
@@ -137,9 +137,9 @@ def _spec(bundle: Bundle, method: str, temperature: float, top_k: int, top_p: fl
   g_max = gamma if gamma_max is None else gamma_max
   if policy in ("heuristic", "confidence") and gamma_max is None:
     g_max = max(gamma, 8)
-  draft_cfg = bundle.draft.cfg if method == "model" else None
-  return decode.Spec(bundle.target.cfg, draft_cfg, method, samp, g_max, gamma, policy,
-                     float(min_confidence), ngram, eos)
+  draft_cfg = dataclasses.replace(bundle.draft.cfg, eos_token_ids=()) if method == "model" else None
+  return decode.Spec(t_cfg, draft_cfg, method, samp, g_max, gamma, policy,
+                     float(min_confidence), ngram)
 
 
 class _Programs:
@@ -171,6 +171,7 @@ class _Prepared:
   prompt: jax.Array  # [B, P]
   prompt_len: jax.Array  # [B]
   max_new: jax.Array  # [B]
+  eos: jax.Array  # [E]
   width: int
   key: jax.Array
 
@@ -206,20 +207,25 @@ def _prepare(bundle: Bundle, prompt, max_new_tokens, temperature, top_k, top_p, 
     raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds "
                      f"the model's context of {context} tokens")
   spec = _spec(bundle, method, temperature, top_k, top_p, gamma, gamma_max, policy,
-               min_confidence, ngram, stop_at_eos)
+               min_confidence, ngram)
+  eos = ()
+  if stop_at_eos:
+    eos = tuple(getattr(bundle.tokenizer, "eos_token_ids", ()) or bundle.target.cfg.eos_token_ids)
   p_width = _bucket(longest)
   width = decode.buffer_width(p_width, _bucket(max_new_tokens), spec.gamma_max)
   padded = np.zeros((len(ids), p_width), np.int32)
   for r, row in enumerate(ids):
     padded[r, :len(row)] = row
   return _Prepared(spec, ids, jnp.asarray(padded), jnp.asarray([len(i) for i in ids], jnp.int32),
-                   jnp.full((len(ids),), max_new_tokens, jnp.int32), width,
+                   jnp.full((len(ids),), max_new_tokens, jnp.int32),
+                   jnp.asarray(eos, jnp.int32).reshape(-1), width,
                    jax.random.key(int(seed)))
 
 
 def _programs(bundle: Bundle, prep: _Prepared, state_like=None):
   dparams = bundle.draft.params if prep.spec.method == "model" else None
-  args = (bundle.target.params, dparams, prep.prompt, prep.prompt_len, prep.max_new, prep.key)
+  args = (bundle.target.params, dparams, prep.prompt, prep.prompt_len, prep.max_new, prep.eos,
+          prep.key)
   pre, t_pre = PROGRAMS.get("prefill", decode.prefill, args,
                             {"spec": prep.spec, "width": prep.width})
   state_shape = jax.eval_shape(lambda: decode.prefill(*args, spec=prep.spec, width=prep.width))
@@ -293,7 +299,8 @@ def generate(bundle: Bundle, prompt: Union[Prompt, Sequence[Prompt]], *,
                   method, policy, min_confidence, ngram, seed, stop_at_eos)
   dparams, pre, run, compile_s = _programs(bundle, prep)
   t0 = time.perf_counter()
-  state = pre(bundle.target.params, dparams, prep.prompt, prep.prompt_len, prep.max_new, prep.key)
+  state = pre(bundle.target.params, dparams, prep.prompt, prep.prompt_len, prep.max_new, prep.eos,
+              prep.key)
   jax.block_until_ready(state.tokens)
   t1 = time.perf_counter()
   state = run(bundle.target.params, dparams, state, jnp.int32(np.iinfo(np.int32).max))
@@ -340,7 +347,8 @@ def stream(bundle: Bundle, prompt: Prompt, *, rounds_per_dispatch: int = 4,
   opts = {**defaults, **kwargs}
   prep = _prepare(bundle, prompt, **opts)
   dparams, pre, run, _ = _programs(bundle, prep)
-  state = pre(bundle.target.params, dparams, prep.prompt, prep.prompt_len, prep.max_new, prep.key)
+  state = pre(bundle.target.params, dparams, prep.prompt, prep.prompt_len, prep.max_new, prep.eos,
+              prep.key)
   start = len(prep.prompts[0])
   emitted_ids, emitted_text = start, ""
   limit = 0

@@ -54,7 +54,9 @@ class Spec:
       once the draft's top probability is below `min_confidence`.
     min_confidence: threshold of the "confidence" policy.
     ngram: n-gram length for prompt lookup.
-    eos_ids: tokens that end a row.
+
+  The EOS tokens are data (`State.eos`), not part of the spec, so a new stop
+  token does not mean a new compile.
   """
 
   target: config_lib.Qwen2Config
@@ -66,7 +68,6 @@ class Spec:
   policy: str = "fixed"
   min_confidence: float = 0.0
   ngram: int = 3
-  eos_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -99,6 +100,7 @@ class State:
     prompt_len: [B] int32 prompt tokens per row.
     max_new: [B] int32 most tokens to generate per row.
     done: [B] bool row finished (EOS or max_new).
+    eos: [E] int32 tokens that end a row (E may be 0).
     key: PRNG key; round r uses fold_in(key, r).
     rounds: [] int32 rounds run so far.
     gamma: [B] int32 speculation length for the next round.
@@ -116,6 +118,7 @@ class State:
   prompt_len: jax.Array
   max_new: jax.Array
   done: jax.Array
+  eos: jax.Array
   key: jax.Array
   rounds: jax.Array
   gamma: jax.Array
@@ -142,11 +145,9 @@ def buffer_width(prompt_width: int, max_new: int, gamma_max: int) -> int:
   return prompt_width + max_new + gamma_max + 2
 
 
-def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
-  out = jnp.zeros(tokens.shape, bool)
-  for e in eos_ids:
-    out |= tokens == e
-  return out
+def _is_eos(tokens: jax.Array, eos: jax.Array) -> jax.Array:
+  """tokens [...], eos [E] -> [...] bool."""
+  return jnp.any(tokens[..., None] == eos, axis=-1)
 
 
 def _write_rows(buf: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
@@ -156,7 +157,8 @@ def _write_rows(buf: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("spec", "width"))
 def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Array,
-            max_new: jax.Array, key: jax.Array, *, spec: Spec, width: int) -> State:
+            max_new: jax.Array, eos: jax.Array, key: jax.Array, *, spec: Spec,
+            width: int) -> State:
   """Encodes the prompts and samples each row's first token from the target.
 
   Args:
@@ -165,6 +167,7 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
     prompt: [B, P] int32 prompts, right-padded.
     prompt_len: [B] int32 real prompt lengths (1..P).
     max_new: [B] int32 tokens to generate per row (>= 1).
+    eos: [E] int32 tokens that end a row.
     key: PRNG key of the whole generation.
     spec: static generation settings.
     width: static W from `buffer_width`.
@@ -196,7 +199,7 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
   return State(
       target_cache=tcache, draft_cache=dcache, tokens=tokens, seq_len=prompt_len + 1,
       prompt_len=prompt_len, max_new=max_new,
-      done=_is_eos(first, spec.eos_ids) | (max_new <= 1), key=key,
+      done=_is_eos(first, eos) | (max_new <= 1), eos=eos, key=key,
       rounds=jnp.int32(0), gamma=jnp.full((b,), spec.gamma if g else 0, jnp.int32),
       row_rounds=zeros, drafted=zeros, accepted=zeros,
       hist=jnp.zeros((b, g + 1), jnp.int32), gamma_trace=jnp.zeros((b, width), jnp.int32))
@@ -230,10 +233,10 @@ def _round(target_params, draft_params, state: State, spec: Spec) -> State:
     gamma_eff = jnp.zeros((b,), jnp.int32)
 
   # 2. Verify [x_{n-1}, d_1 .. d_G] in one target forward.
+  # The target cache already holds every token but the last (step 5).
   last = jnp.take_along_axis(state.tokens, (state.seq_len - 1)[:, None], axis=1)  # [B, 1]
-  tcache = cache_lib.with_lengths(state.target_cache, state.seq_len - 1)
   logits, tcache = model.forward(target_params, spec.target,
-                                 jnp.concatenate([last, drafts], axis=1), tcache)
+                                 jnp.concatenate([last, drafts], axis=1), state.target_cache)
   p = sampling.probs(logits, spec.sampling)  # [B, G+1, V]
 
   # 3. Accept.
@@ -242,7 +245,7 @@ def _round(target_params, draft_params, state: State, spec: Spec) -> State:
   block = jnp.where(pos < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), next_token[:, None])
 
   # 4. Emit: stop at the first EOS in the block and at max_new.
-  eos = _is_eos(block, spec.eos_ids) & (pos <= n[:, None])
+  eos = _is_eos(block, state.eos) & (pos <= n[:, None])
   hit_eos = jnp.any(eos, axis=1)
   n_emit = jnp.where(hit_eos, jnp.argmax(eos, axis=1) + 1, n + 1)
   room = state.max_new - (state.seq_len - state.prompt_len)

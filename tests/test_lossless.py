@@ -122,7 +122,8 @@ def draw(bundle, prompts: list[list[int]], spec: decode.Spec, n_new: int, seed: 
   width = decode.buffer_width(p_width, n_new, spec.gamma_max)
   dparams = bundle.draft.params if spec.method == "model" else None
   state = decode.prefill(bundle.target.params, dparams, jnp.asarray(rows), jnp.asarray(lengths),
-                         jnp.full((len(rows),), n_new, jnp.int32), jax.random.key(seed),
+                         jnp.full((len(rows),), n_new, jnp.int32), jnp.zeros((0,), jnp.int32),
+                         jax.random.key(seed),
                          spec=spec, width=width)
   state = decode.run(bundle.target.params, dparams, state, jnp.int32(1 << 30), spec=spec)
   tokens = np.asarray(state.tokens)

@@ -1,0 +1,241 @@
+"""The decode engine: greedy equivalence, rollback, EOS, batches, streaming, compile-once."""
+
+from __future__ import annotations
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+import tiny
+from jspec import api
+from jspec import cache as cache_lib
+from jspec import decode
+from jspec import model
+from jspec import sampling
+
+# A few fixed engine settings, so hypothesis varies weights, prompts and EOS
+# (all data) without compiling a new program for every example.
+SETTINGS = [
+    dict(method="model", gamma=1),
+    dict(method="model", gamma=3),
+    dict(method="model", gamma=2, gamma_max=5, policy="heuristic"),
+    dict(method="model", gamma=5, policy="confidence", min_confidence=0.5, gamma_max=5),
+    dict(method="prompt_lookup", gamma=3, ngram=1),
+    dict(method="prompt_lookup", gamma=4, ngram=2, policy="heuristic", gamma_max=6),
+]
+MAX_NEW = 24
+
+
+def with_eos(bundle: jspec.Bundle, eos: tuple[int, ...]) -> jspec.Bundle:
+  cfg = bundle.target.cfg
+  t_cfg = type(cfg)(**{**cfg.to_dict(), "eos_token_ids": eos})
+  return jspec.Bundle(jspec.Model(t_cfg, bundle.target.params), bundle.draft)
+
+
+@hypothesis.settings(max_examples=30, deadline=None,
+                     suppress_health_check=[hypothesis.HealthCheck.too_slow])
+@hypothesis.given(seed=st.integers(0, 2**16), length=st.integers(1, 14),
+                  setting=st.sampled_from(range(len(SETTINGS))), eos_at=st.integers(-1, MAX_NEW - 1),
+                  scale=st.sampled_from([0.3, 1.0]))
+def test_greedy_speculative_equals_target(seed, length, setting, eos_at, scale):
+  bundle = tiny.pair(seed, scale=scale)
+  prompt = tiny.prompt(seed, length)
+  base = jspec.generate(bundle, prompt, max_new_tokens=MAX_NEW, method="target")
+  if eos_at >= 0:  # make a token the target really emits the EOS, so rows stop midway
+    eos = base.token_ids[eos_at]
+    bundle = with_eos(bundle, (eos,))
+    base = jspec.generate(bundle, prompt, max_new_tokens=MAX_NEW, method="target")
+    assert base.token_ids[-1] == eos and eos not in base.token_ids[:-1]
+  got = jspec.generate(bundle, prompt, max_new_tokens=MAX_NEW, **SETTINGS[setting])
+  assert got.token_ids == base.token_ids
+  assert got.stats["accepted"] <= got.stats["drafted"]
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 4])
+def test_draft_equal_to_target_accepts_everything(gamma):
+  bundle = tiny.pair(1)
+  bundle = jspec.Bundle(bundle.target, bundle.target)
+  n_new = 1 + 5 * (gamma + 1)
+  out = jspec.generate(bundle, [1, 2, 3], max_new_tokens=n_new, gamma=gamma)
+  base = jspec.generate(bundle, [1, 2, 3], max_new_tokens=n_new, method="target")
+  assert out.token_ids == base.token_ids
+  # Every round accepts all gamma drafts and adds the bonus token.
+  assert out.stats["accepted"] == out.stats["drafted"] == 5 * gamma
+  assert out.stats["rounds"] == 5
+  assert out.stats["accepted_histogram"] == [0] * gamma + [5]
+  assert out.stats["mean_tokens_per_round"] == gamma + 1
+
+
+def test_eos_inside_an_accepted_block_ends_the_row_there():
+  bundle = tiny.pair(1)
+  bundle = jspec.Bundle(bundle.target, bundle.target)  # every block fully accepted
+  base = jspec.generate(bundle, [4, 4, 2], max_new_tokens=20, method="target")
+  eos = base.token_ids[6]  # inside the second block of gamma 4 + 1
+  first = base.token_ids.index(eos)
+  bundle = with_eos(bundle, (eos,))
+  out = jspec.generate(bundle, [4, 4, 2], max_new_tokens=20, gamma=4)
+  assert out.token_ids == base.token_ids[:first + 1]
+  assert jspec.generate(bundle, [4, 4, 2], max_new_tokens=20, stop_at_eos=False).token_ids \
+      == base.token_ids
+
+
+def test_max_new_tokens_is_exact_for_every_gamma():
+  bundle = tiny.pair(2)
+  bundle = jspec.Bundle(bundle.target, bundle.target)
+  for n in (1, 2, 5, 7):
+    for gamma in (1, 4):
+      assert len(jspec.generate(bundle, [1], max_new_tokens=n, gamma=gamma).token_ids) == n
+
+
+def _prefill_cache(cfg, params, tokens: list[int], slots: int) -> cache_lib.KVCache:
+  cache = cache_lib.init(cfg, 1, slots)
+  _, cache = model.forward(params, cfg, jnp.asarray([tokens], jnp.int32), cache)
+  return cache
+
+
+@pytest.mark.parametrize("method", ["model", "prompt_lookup"])
+def test_caches_after_rounds_equal_a_fresh_prefill(method):
+  bundle = tiny.pair(4)
+  spec = decode.Spec(tiny.TARGET, tiny.DRAFT if method == "model" else None, method,
+                     sampling.Sampling(1.0), 3, 3, ngram=1)
+  prompt = [5, 3, 5, 3, 5]
+  width = decode.buffer_width(8, 16, 3)
+  dparams = bundle.draft.params if method == "model" else None
+  state = decode.prefill(bundle.target.params, dparams, jnp.asarray([prompt + [0] * 3]),
+                         jnp.asarray([5]), jnp.asarray([16]), jnp.zeros((0,), jnp.int32),
+                         jax.random.key(0), spec=spec, width=width)
+  for limit in (1, 2, 5):  # stop after a few rounds, compare, go on
+    state = decode.run(bundle.target.params, dparams, state, jnp.int32(limit), spec=spec)
+    n = int(state.seq_len[0])
+    tokens = np.asarray(state.tokens[0, :n]).tolist()
+    t_len = int(state.target_cache.lengths[0])
+    assert t_len == n - 1
+    fresh = _prefill_cache(tiny.TARGET, bundle.target.params, tokens[:t_len], width)
+    np.testing.assert_allclose(state.target_cache.k[:, :, :t_len], fresh.k[:, :, :t_len], atol=1e-5)
+    np.testing.assert_allclose(state.target_cache.v[:, :, :t_len], fresh.v[:, :, :t_len], atol=1e-5)
+    if method == "model":
+      # The draft holds at least every token but the last two (its next
+      # round starts by feeding those two).
+      fresh = _prefill_cache(tiny.DRAFT, bundle.draft.params, tokens[:n - 2], width)
+      np.testing.assert_allclose(state.draft_cache.k[:, :, :n - 2], fresh.k[:, :, :n - 2], atol=1e-5)
+      np.testing.assert_allclose(state.draft_cache.v[:, :, :n - 2], fresh.v[:, :, :n - 2], atol=1e-5)
+
+
+def test_batch_rows_equal_their_single_runs():
+  bundle = tiny.pair(6)
+  prompts = [tiny.prompt(i, n) for i, n in enumerate([3, 9, 1, 14])]
+  base = [jspec.generate(bundle, p, max_new_tokens=MAX_NEW, method="target").token_ids
+          for p in prompts]
+  # An EOS that one row emits early makes rows finish at different times.
+  eos = base[1][4]
+  bundle = with_eos(bundle, (eos,))
+  singles = [jspec.generate(bundle, p, max_new_tokens=MAX_NEW, method="target").token_ids
+             for p in prompts]
+  assert len({len(s) for s in singles}) > 1
+  for kwargs in SETTINGS:
+    batch = jspec.generate(bundle, prompts, max_new_tokens=MAX_NEW, **kwargs)
+    assert [r.token_ids for r in batch] == singles, kwargs
+
+
+def test_seed_reproduces_a_sampled_generation():
+  bundle = tiny.pair(7)
+  kw = dict(max_new_tokens=20, temperature=1.0, top_p=0.9, gamma=3)
+  a = jspec.generate(bundle, [1, 2], seed=5, **kw).token_ids
+  assert a == jspec.generate(bundle, [1, 2], seed=5, **kw).token_ids
+  assert any(jspec.generate(bundle, [1, 2], seed=s, **kw).token_ids != a for s in range(6, 10))
+
+
+def test_prompt_lookup_without_a_match_emits_one_target_token_per_round():
+  bundle = tiny.pair(8)
+  prompt = list(range(10))  # no repeated token: no n-gram occurs twice yet
+  out = jspec.generate(bundle, prompt, max_new_tokens=2, method="prompt_lookup", ngram=2)
+  base = jspec.generate(bundle, prompt, max_new_tokens=2, method="target")
+  assert out.token_ids == base.token_ids
+  assert out.stats["drafted"] == 0 and out.stats["rounds"] == 1
+
+
+def test_same_shapes_compile_once_and_run_all_rounds_in_one_dispatch(monkeypatch):
+  bundle = tiny.pair(9)
+  jspec.generate(bundle, [1, 2, 3], max_new_tokens=30, gamma=2)
+  compiles = api.PROGRAMS.compiles
+  calls = []
+  real_get = api.PROGRAMS.get
+
+  def counting_get(name, fn, args, static):
+    program, secs = real_get(name, fn, args, static)
+    def counted(*a):
+      calls.append(name)
+      return program(*a)
+    return counted, secs
+  monkeypatch.setattr(api.PROGRAMS, "get", counting_get)
+  # Another prompt length in the same bucket, another seed: no new compile.
+  out = jspec.generate(bundle, [4, 5, 6, 7, 8], max_new_tokens=30, gamma=2, seed=3)
+  assert api.PROGRAMS.compiles == compiles
+  assert out.stats["compile_s"] == 0.0
+  assert out.stats["rounds"] > 5
+  assert calls == ["prefill", "run"]  # many rounds, one dispatch of the loop
+
+
+def test_stream_concatenates_to_generate_and_can_be_abandoned():
+  bundle = tiny.pair(10)
+  kw = dict(max_new_tokens=25, temperature=0.8, gamma=3, seed=2)
+  full = jspec.generate(bundle, [3, 1, 4], **kw)
+  pieces = list(jspec.stream(bundle, [3, 1, 4], rounds_per_dispatch=2, **kw))
+  assert len(pieces) > 2
+  assert sum((ids for _, ids in pieces), []) == full.token_ids
+  abandoned = jspec.stream(bundle, [3, 1, 4], rounds_per_dispatch=1, **kw)
+  next(abandoned)
+  del abandoned
+  assert jspec.generate(bundle, [3, 1, 4], **kw).token_ids == full.token_ids
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt=[]), "empty"),
+    (dict(prompt=[[]]), "empty"),
+    (dict(prompt="text"), "tokenizer"),
+    (dict(prompt=[[1], 5]), "batch item 1"),
+    (dict(prompt=[[1]] * (api.MAX_BATCH + 1)), "exceeds the maximum"),
+    (dict(prompt=[1, tiny.VOCAB]), "outside the vocabulary"),
+    (dict(prompt=[1, -1]), "outside the vocabulary"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=tiny.TARGET.max_position_embeddings), "context"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(gamma=0), "gamma"),
+    (dict(gamma=3, gamma_max=2), "gamma"),
+    (dict(method="prompt_lookup", ngram=0), "ngram"),
+    (dict(method="bogus"), "method"),
+    (dict(policy="bogus"), "policy"),
+])
+def test_bad_input_is_a_clear_value_error(kwargs, message):
+  bundle = tiny.pair(0)
+  kwargs = {"prompt": [1, 2], **kwargs}
+  before = api.PROGRAMS.compiles
+  with pytest.raises(ValueError, match=message):
+    jspec.generate(bundle, kwargs.pop("prompt"), **kwargs)
+  assert api.PROGRAMS.compiles == before  # rejected before any compute
+
+
+def test_vocabulary_mismatch_is_refused_and_padding_is_masked():
+  bundle = tiny.pair(0)
+  big = tiny.pair(0, vocab=13)
+  with pytest.raises(ValueError, match="vocabulary"):
+    jspec.Bundle(bundle.target, big.draft)
+
+  class Tok:  # 11 real tokens, the draft's table padded to 13 rows
+    vocab_size = tiny.VOCAB
+    eos_token_ids = ()
+
+    def decode(self, ids):
+      return " ".join(map(str, ids))
+  padded = jspec.Bundle(bundle.target, big.draft, Tok())
+  assert padded.vocab_limit == tiny.VOCAB
+  out = jspec.generate(padded, [1, 2, 3], max_new_tokens=20, temperature=1.5, gamma=3)
+  assert max(out.token_ids) < tiny.VOCAB
