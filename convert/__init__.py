@@ -1,0 +1,129 @@
+"""Checkpoints -> jspec (config, params): HF safetensors directories, GGUF files, jspec files.
+
+    cfg, params = convert.load_checkpoint("qwen2.5-coder-1.5b.gguf")
+    logits, cache = jspec.model.forward(params, cfg, tokens, cache)
+
+Every source is read tensor by tensor and each tensor is placed on the device
+as soon as it is converted, so the host never holds a second copy of the
+model. `python -m convert SRC OUT` (see `convert.cli`) converts once to a jspec
+file, which later loads without dequantizing anything.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+import tqdm
+
+from convert import gguf_file
+from convert import hf
+from convert import keys
+from convert import store
+from jspec import config as config_lib
+
+ConvertError = keys.ConvertError
+
+
+def open_source(path):
+  """Opens an HF checkpoint directory or a GGUF file for reading.
+
+  Args:
+    path: a directory with config.json and safetensors, or a .gguf file.
+
+  Returns:
+    A source with `.config`, `.path`, `.names` (HF tensor names), `.read(name)`
+    (the tensor in HF orientation), `.label(name)` (its name in the file) and
+    `.close()`.
+
+  Raises:
+    ConvertError: the path is neither, or cannot be read.
+  """
+  path = pathlib.Path(path)
+  if not path.exists():
+    raise ConvertError(f"{path}: no such file or directory")
+  if path.is_dir():
+    if hf.is_checkpoint_dir(path):
+      return hf.Source(path)
+    raise ConvertError(f"{path}: a directory without config.json (expected an HF checkpoint "
+                       "directory: config.json and model.safetensors or its shards)")
+  if gguf_file.is_gguf_file(path):
+    return gguf_file.Source(path)
+  if path.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"):
+    raise ConvertError(f"{path}: a pickle checkpoint; pickle files are not loaded because "
+                       "unpickling runs code. Convert it to safetensors first")
+  if path.suffix == ".safetensors":
+    raise ConvertError(f"{path}: a bare safetensors file carries no config; pass the HF "
+                       "checkpoint directory that holds it and its config.json")
+  raise ConvertError(f"{path}: not a GGUF file, an HF checkpoint directory or a jspec file")
+
+
+def assemble(source, dtype: Any = "float32", put: Optional[Callable[[np.ndarray], Any]] = None,
+             progress: bool = False) -> tuple[config_lib.Qwen2Config, dict]:
+  """Reads, checks and converts every tensor of an open source.
+
+  Args:
+    source: from `open_source`.
+    dtype: params dtype: "float32", "bfloat16" or "float16".
+    put: applied to each converted tensor (e.g. `jax.device_put`); None keeps numpy.
+    progress: show a tqdm bar over tensors on stderr.
+
+  Returns:
+    (config, params pytree).
+  """
+  assembler = keys.Assembler(source.config, dtype, put, source=str(source.path))
+  names = tqdm.tqdm(source.names, desc=f"converting {source.path.name}", unit="tensor",
+                    disable=not progress)
+  for name in names:
+    assembler.add(name, source.read(name), label=source.label(name))
+  return source.config, assembler.finish()
+
+
+def load_checkpoint(path, dtype: Any = "float32",
+                    progress: bool = False) -> tuple[config_lib.Qwen2Config, dict]:
+  """Loads any supported checkpoint as jspec (config, params) on the default device.
+
+  Args:
+    path: an HF checkpoint directory (config.json + safetensors), a qwen2
+      .gguf file, or a file written by `python -m convert` / `store.save`.
+    dtype: params dtype: "float32", "bfloat16" or "float16".
+    progress: show a progress bar over tensors.
+
+  Returns:
+    (Qwen2Config, params pytree of jax arrays) for `jspec.model.forward`.
+
+  Raises:
+    ConvertError: the checkpoint is unreadable or does not match a Qwen2 model.
+    jspec.config.ConfigError: its config asks for something jspec does not implement.
+  """
+  path = pathlib.Path(path)
+  if store.is_jspec_file(store.resolve_path(path)):
+    return store.load(path, dtype, put=jax.device_put)
+  source = open_source(path)
+  try:
+    return assemble(source, dtype, put=jax.device_put, progress=progress)
+  finally:
+    source.close()
+
+
+def convert_checkpoint(src, out, dtype: Any = "float32", progress: bool = False) -> pathlib.Path:
+  """Converts a checkpoint into a jspec file (params stay on the host throughout).
+
+  Args:
+    src: an HF checkpoint directory or a .gguf file.
+    out: destination file, or an existing directory (gets jspec.safetensors).
+    dtype: params dtype: "float32", "bfloat16" or "float16".
+    progress: show a progress bar over tensors.
+
+  Returns:
+    The path written.
+  """
+  keys.resolve_dtype(dtype)  # fail before the slow part
+  source = open_source(src)
+  try:
+    cfg, params = assemble(source, dtype, put=None, progress=progress)
+  finally:
+    source.close()
+  return store.save(out, cfg, params)

@@ -1,0 +1,181 @@
+"""jspec's own checkpoint file: params and config in one safetensors file.
+
+Tensors are named by their params path (`layers_0/self_attn/q_proj/kernel`) and
+already in jspec orientation and dtype; the config is JSON in the file's
+metadata. Loading one therefore only maps the file and copies tensors out,
+with no dequantizing, transposing or key mapping, and runs no code from it.
+
+A save writes a temporary file in the destination's directory and renames it
+over the destination (`os.replace` is atomic on POSIX), so an interrupted save
+leaves the previous file, or nothing, never half a file. A load checks the
+names, shapes and dtypes against the config and turns a truncated or corrupted
+file into a ConvertError.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import struct
+import tempfile
+from typing import Any, Callable, Optional
+
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+from convert import keys
+from jspec import config as config_lib
+
+FORMAT = "jspec"
+FORMAT_VERSION = "1"
+# The file name used when the destination given is a directory.
+DEFAULT_NAME = "jspec.safetensors"
+
+
+def resolve_path(path) -> pathlib.Path:
+  """Where a save to `path` goes: `path` itself, or `path/jspec.safetensors` for a directory.
+
+  Args:
+    path: a file path or an existing directory.
+
+  Returns:
+    The file path.
+  """
+  path = pathlib.Path(path)
+  return path / DEFAULT_NAME if path.is_dir() else path
+
+
+def _read_metadata(path: pathlib.Path) -> Optional[dict[str, str]]:
+  """The safetensors `__metadata__` of a file, or None if it is not a safetensors file."""
+  try:
+    with open(path, "rb") as f:
+      (size,) = struct.unpack("<Q", f.read(8))
+      if size > 100_000_000:
+        return None
+      header = json.loads(f.read(size))
+  except (OSError, struct.error, ValueError):
+    return None
+  meta = header.get("__metadata__") if isinstance(header, dict) else None
+  return meta if isinstance(meta, dict) else None
+
+
+def is_jspec_file(path) -> bool:
+  """Whether a file is a checkpoint written by `save`.
+
+  Args:
+    path: any path.
+
+  Returns:
+    True for a safetensors file whose metadata says format "jspec".
+  """
+  path = pathlib.Path(path)
+  return path.is_file() and (_read_metadata(path) or {}).get("format") == FORMAT
+
+
+def _check(cfg: config_lib.Qwen2Config, shapes: dict[str, tuple], dtypes: dict[str, Any],
+           source: str) -> None:
+  """Raises unless `shapes` holds exactly the params of `cfg`, all of one dtype."""
+  want = keys.expected_shapes(cfg)
+  missing = [p for p in want if p not in shapes]
+  extra = [p for p in shapes if p not in want]
+  if missing or extra:
+    raise keys.ConvertError(f"{source}: tensors do not match the config: missing {missing[:5]}, "
+                            f"unexpected {extra[:5]}")
+  for p, shape in shapes.items():
+    if tuple(shape) != want[p]:
+      raise keys.ConvertError(f"{source}: tensor {p!r} has shape {tuple(shape)}, "
+                              f"expected {want[p]} from the config")
+  kinds = sorted(set(str(d) for d in dtypes.values()))
+  if len(kinds) != 1:
+    raise keys.ConvertError(f"{source}: tensors have mixed dtypes {kinds}; expected one")
+
+
+def save(path, cfg: config_lib.Qwen2Config, params: dict) -> pathlib.Path:
+  """Writes params and config to one safetensors file, atomically.
+
+  Args:
+    path: destination file (or an existing directory: `path/jspec.safetensors`).
+    cfg: the model config.
+    params: the params pytree (numpy or jax arrays; one dtype).
+
+  Returns:
+    The path written.
+
+  Raises:
+    ConvertError: the params do not match the config.
+  """
+  path = resolve_path(path)
+  # np.asarray of a jax array on CPU is a view of its buffer, not a copy.
+  tensors = {p: np.asarray(x) for p, x in keys.flatten(params).items()}
+  _check(cfg, {p: x.shape for p, x in tensors.items()},
+         {p: x.dtype for p, x in tensors.items()}, str(path))
+  meta = {"format": FORMAT, "format_version": FORMAT_VERSION,
+          "config": json.dumps(cfg.to_dict(), sort_keys=True)}
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+  os.close(fd)
+  try:
+    safetensors.numpy.save_file(tensors, tmp, metadata=meta)
+    with open(tmp, "rb") as f:  # on disk before the rename makes it visible
+      os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)  # mkstemp makes it owner-only
+    os.replace(tmp, path)
+  except BaseException:  # KeyboardInterrupt too: never leave the temporary behind
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+  return path
+
+
+def load(path, dtype: Any = None,
+         put: Optional[Callable[[np.ndarray], Any]] = None) -> tuple[config_lib.Qwen2Config, dict]:
+  """Reads a file written by `save`.
+
+  Args:
+    path: the file (or a directory holding jspec.safetensors).
+    dtype: cast the params to this dtype (None: keep the stored one).
+    put: applied to each tensor as it is read (e.g. `jax.device_put`).
+
+  Returns:
+    (config, params pytree).
+
+  Raises:
+    ConvertError: not a jspec file, truncated, corrupted, or tensors that do
+      not match its config.
+  """
+  path = resolve_path(path)
+  if not path.is_file():
+    raise keys.ConvertError(f"{path}: no such file")
+  put = put or (lambda x: x)
+  try:
+    handle = safetensors.safe_open(str(path), framework="numpy")
+  except Exception as e:  # SafetensorError on a short or garbled file
+    raise keys.ConvertError(f"{path}: not a readable safetensors file, truncated or corrupted "
+                            f"({type(e).__name__}: {e})") from None
+  meta = handle.metadata() or {}
+  if meta.get("format") != FORMAT:
+    raise keys.ConvertError(f"{path}: not a jspec checkpoint (metadata format="
+                            f"{meta.get('format')!r}, expected {FORMAT!r})")
+  try:
+    cfg = config_lib.Qwen2Config.from_dict(json.loads(meta["config"]))
+  except (KeyError, json.JSONDecodeError, TypeError) as e:
+    raise keys.ConvertError(f"{path}: config in metadata is missing or invalid "
+                            f"({type(e).__name__}: {e})") from None
+  names = list(handle.keys())
+  shapes = {n: tuple(handle.get_slice(n).get_shape()) for n in names}
+  dtypes = {n: handle.get_slice(n).get_dtype() for n in names}
+  _check(cfg, shapes, dtypes, str(path))
+  cast = keys.resolve_dtype(dtype) if dtype is not None else None
+  params: dict = {}
+  for name in names:
+    try:
+      array = handle.get_tensor(name)
+    except Exception as e:
+      raise keys.ConvertError(f"{path}: cannot read tensor {name!r}, the file is truncated or "
+                              f"corrupted ({type(e).__name__}: {e})") from None
+    if cast is not None and array.dtype != cast:
+      array = array.astype(cast)
+    keys.set_path(params, name, put(array))
+  return cfg, params

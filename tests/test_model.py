@@ -1,0 +1,192 @@
+"""jspec.model against transformers' Qwen2, through the HF -> safetensors -> convert path.
+
+Tiny random models with odd sizes (head_dim != hidden/heads, GQA with 2 and 3
+query heads per kv head, tied and untied heads), non-default rope_theta, and a
+prompt of 301 positions so RoPE at large positions matters; fp32 logits must
+agree to 1e-4. Layer-level checks compare each Flax module with its HF twin.
+"""
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers.models.qwen2 import modeling_qwen2
+
+import convert
+from jspec import cache as cache_lib
+from jspec import config as config_lib
+from jspec import model as model_lib
+
+T = 301  # prompt length: positions up to 300 (prime)
+
+
+def _tokens(vocab, batch=2, length=T, seed=0):
+  return np.random.default_rng(seed).integers(0, vocab, size=(batch, length)).astype(np.int32)
+
+
+def _hf_logits(model, tokens):
+  with torch.no_grad():
+    return model(torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
+
+
+def _jspec_logits(cfg, params, tokens):
+  cache = cache_lib.init(cfg, tokens.shape[0], tokens.shape[1],
+                         params["embed_tokens"]["embedding"].dtype)
+  logits, cache = model_lib.forward(params, cfg, jnp.asarray(tokens), cache)
+  assert list(np.asarray(cache.lengths)) == [tokens.shape[1]] * tokens.shape[0]
+  return np.asarray(logits)
+
+
+def _converted(model, tmp_path, dtype="float32", **save_kwargs):
+  model.save_pretrained(tmp_path, safe_serialization=True, **save_kwargs)
+  return convert.load_checkpoint(tmp_path, dtype=dtype)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(),  # 6 query heads on 2 kv heads, head_dim 14 != 58 / 6, untied head
+    dict(num_key_value_heads=3, tie_word_embeddings=True, rope_theta=1e6, num_hidden_layers=3),
+    dict(hidden_size=30, head_dim=10, num_attention_heads=5, num_key_value_heads=1,
+         intermediate_size=41),  # multi-query attention
+], ids=["gqa3-untied", "gqa2-tied", "mqa"])
+def test_logits_match_transformers(make_hf_model, tmp_path, overrides):
+  hf = make_hf_model(**overrides)
+  cfg, params = _converted(hf, tmp_path)
+  assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings
+  assert ("lm_head" in params) != cfg.tie_word_embeddings
+  shapes = jax.tree.map(lambda x: x.shape, params)
+  want = jax.tree.map(lambda x: x.shape, model_lib.init_params(cfg, jax.random.key(0)))
+  assert shapes == want
+  tokens = _tokens(cfg.vocab_size)
+  ref = _hf_logits(hf, tokens)
+  got = _jspec_logits(cfg, params, tokens)
+  assert np.abs(ref).max() > 1.0  # the comparison means something
+  np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_sharded_checkpoint_matches(make_hf_model, tmp_path):
+  hf = make_hf_model(seed=1)
+  cfg, params = _converted(hf, tmp_path, max_shard_size="40KB")
+  assert (tmp_path / "model.safetensors.index.json").is_file()
+  tokens = _tokens(cfg.vocab_size, batch=1, length=37)
+  np.testing.assert_allclose(_jspec_logits(cfg, params, tokens), _hf_logits(hf, tokens),
+                             atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_checkpoint_loads_exactly(make_hf_model, tmp_path):
+  # numpy has no bfloat16: a bf16 safetensors file must still load, and upcast exactly.
+  hf = make_hf_model(seed=2)
+  with torch.no_grad():
+    for p in hf.parameters():
+      p.copy_(p.bfloat16().float())  # fp32 reference holding bf16-exact weights
+  # Only the weights go to bf16: `.to(bfloat16)` on the reference would round
+  # RoPE's inv_freq buffer as well.
+  cfg, params = _converted(copy.deepcopy(hf).to(torch.bfloat16), tmp_path, dtype="float32")
+  assert (tmp_path / "config.json").read_text().count("bfloat16")
+  embed = hf.model.embed_tokens.weight.detach().numpy()
+  np.testing.assert_array_equal(np.asarray(params["embed_tokens"]["embedding"]), embed)
+  q = hf.model.layers[1].self_attn.q_proj.weight.detach().numpy()
+  np.testing.assert_array_equal(np.asarray(params["layers_1"]["self_attn"]["q_proj"]["kernel"]),
+                                q.T)
+  tokens = _tokens(cfg.vocab_size, batch=1, length=53)
+  np.testing.assert_allclose(_jspec_logits(cfg, params, tokens), _hf_logits(hf, tokens),
+                             atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_params_close_to_fp32(make_hf_model, tmp_path, dtype):
+  hf = make_hf_model(seed=3)
+  hf.save_pretrained(tmp_path, safe_serialization=True)
+  cfg, params32 = convert.load_checkpoint(tmp_path, dtype="float32")
+  _, params = convert.load_checkpoint(tmp_path, dtype=dtype)
+  assert params["layers_0"]["mlp"]["up_proj"]["kernel"].dtype == jnp.dtype(dtype)
+  tokens = _tokens(cfg.vocab_size, batch=1, length=61)
+  ref = _jspec_logits(cfg, params32, tokens)
+  got = _jspec_logits(cfg, params, tokens)
+  # Loose: bf16 keeps 8 bits of mantissa through two layers.
+  assert np.abs(got - ref).max() < 0.1 * np.abs(ref).max()
+  assert (got.argmax(-1) == ref.argmax(-1)).mean() > 0.9
+
+
+# Layer-level checks: each Flax module against its HF twin, same weights.
+
+def _cfg(hf):
+  return config_lib.from_hf_dict(hf.config.to_dict())
+
+
+def _np(t):
+  return t.detach().float().numpy()
+
+
+def _dense(linear):
+  out = {"kernel": _np(linear.weight).T}
+  if linear.bias is not None:
+    out["bias"] = _np(linear.bias)
+  return out
+
+
+def test_rmsnorm_matches(make_hf_model):
+  hf = make_hf_model()
+  norm = hf.model.layers[0].input_layernorm
+  x = np.random.default_rng(0).normal(size=(2, 7, 58)).astype(np.float32) * 3
+  with torch.no_grad():
+    ref = _np(norm(torch.from_numpy(x)))
+  got = model_lib.RMSNorm(hf.config.rms_norm_eps).apply(
+      {"params": {"weight": _np(norm.weight)}}, jnp.asarray(x))
+  np.testing.assert_allclose(np.asarray(got), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_matches(make_hf_model):
+  hf = make_hf_model()
+  cfg = _cfg(hf)
+  rng = np.random.default_rng(1)
+  q = rng.normal(size=(2, T, 6, 14)).astype(np.float32)  # [B, T, N, H]
+  k = rng.normal(size=(2, T, 2, 14)).astype(np.float32)
+  positions = np.stack([np.arange(T), np.arange(T) + 997]).astype(np.int32)  # row 2 offset
+  with torch.no_grad():
+    cos, sin = hf.model.rotary_emb(torch.from_numpy(q), torch.from_numpy(positions).long())
+    ref_q, ref_k = modeling_qwen2.apply_rotary_pos_emb(
+        torch.from_numpy(q).transpose(1, 2), torch.from_numpy(k).transpose(1, 2), cos, sin)
+  got_q = model_lib.rope(jnp.asarray(q), jnp.asarray(positions), cfg.rope_theta)
+  got_k = model_lib.rope(jnp.asarray(k), jnp.asarray(positions), cfg.rope_theta)
+  # float32 angles at position ~1300 differ by an ulp (~1e-4 rad) between the
+  # two ways of computing them; a wrong rotation is off by O(1).
+  np.testing.assert_allclose(np.asarray(got_q), _np(ref_q.transpose(1, 2)), atol=1e-4)
+  np.testing.assert_allclose(np.asarray(got_k), _np(ref_k.transpose(1, 2)), atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 3])
+def test_attention_matches(make_hf_model, kv_heads):
+  hf = make_hf_model(num_key_value_heads=kv_heads)
+  hf.config._attn_implementation = "eager"  # pylint: disable=protected-access
+  cfg = _cfg(hf)
+  attn = hf.model.layers[0].self_attn
+  t = 89
+  x = np.random.default_rng(2).normal(size=(2, t, cfg.hidden_size)).astype(np.float32)
+  positions = np.tile(np.arange(t), (2, 1))
+  mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+  with torch.no_grad():
+    cos_sin = hf.model.rotary_emb(torch.from_numpy(x), torch.from_numpy(positions).long())
+    ref, _ = attn(torch.from_numpy(x), cos_sin, mask)
+  params = {name: _dense(getattr(attn, name)) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+  cache = cache_lib.init(cfg, 2, t + 5)
+  got, k_buf, _ = model_lib.Attention(cfg, jnp.float32).apply(
+      {"params": params}, jnp.asarray(x), jnp.asarray(positions, jnp.int32), cache.k, cache.v, 0,
+      jnp.zeros((2,), jnp.int32))
+  np.testing.assert_allclose(np.asarray(got), _np(ref), atol=1e-5, rtol=1e-4)
+  assert np.abs(np.asarray(k_buf[0, :, :t])).sum() > 0  # keys were written to the cache
+
+
+def test_mlp_matches(make_hf_model):
+  hf = make_hf_model()
+  cfg = _cfg(hf)
+  mlp = hf.model.layers[1].mlp
+  assert isinstance(mlp, modeling_qwen2.Qwen2MLP)
+  x = np.random.default_rng(3).normal(size=(2, 11, cfg.hidden_size)).astype(np.float32)
+  with torch.no_grad():
+    ref = _np(mlp(torch.from_numpy(x)))
+  params = {name: _dense(getattr(mlp, name)) for name in ("gate_proj", "up_proj", "down_proj")}
+  got = model_lib.MLP(cfg, jnp.float32).apply({"params": params}, jnp.asarray(x))
+  np.testing.assert_allclose(np.asarray(got), ref, atol=1e-5, rtol=1e-4)
