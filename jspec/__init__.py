@@ -7,3 +7,7 @@
 from jspec.api import Bundle, Model, Result, check_pair, generate, stream
 
 __all__ = ["Bundle", "Model", "Result", "check_pair", "generate", "stream"]
+
+from jspec.loading import load  # noqa: E402  (api must be importable first)
+
+__all__ += ["load"]
