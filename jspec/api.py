@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Generator, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +56,37 @@ class Bundle:
   def __post_init__(self):
     if self.draft is not None and self.vocab_limit is None:
       self.vocab_limit = check_pair(self.target.cfg, self.draft.cfg, self.tokenizer)
+    self._draft_weights: dict[Optional[int], decode.DraftWeights] = {}
+
+  def draft_weights(self, draft_vocab: Optional[int]) -> decode.DraftWeights:
+    """The draft's params with its output head cut to the first `draft_vocab` ids.
+
+    The cut copy is made once per size and kept, so the compiled program
+    reads only V' x D head weights per draft step.
+
+    Args:
+      draft_vocab: rows of the draft head to keep; None keeps the full head.
+
+    Returns:
+      The `decode.DraftWeights` the decode programs take.
+    """
+    if self.draft is None:
+      raise ValueError("this bundle has no draft model")
+    cfg = self.draft.cfg
+    if draft_vocab is not None and (not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool)
+                                    or not 1 <= draft_vocab <= cfg.vocab_size):
+      raise ValueError(f"draft_vocab={draft_vocab!r}: expected an integer in [1, {cfg.vocab_size}] "
+                       "or None for the full head")
+    if draft_vocab == cfg.vocab_size:
+      draft_vocab = None
+    if draft_vocab not in self._draft_weights:
+      head = None
+      if draft_vocab is not None:
+        params = self.draft.params
+        table = params["embed_tokens"]["embedding"] if cfg.tie_word_embeddings else params["lm_head"]
+        head = jnp.array(table[:draft_vocab])  # [V', D], a copy: not a view of the full table
+      self._draft_weights[draft_vocab] = decode.DraftWeights(self.draft.params, head)
+    return self._draft_weights[draft_vocab]
 
 
 def check_pair(target: config_lib.Qwen2Config, draft: config_lib.Qwen2Config,
@@ -167,6 +198,7 @@ PROGRAMS = _Programs()
 @dataclasses.dataclass
 class _Prepared:
   spec: decode.Spec
+  draft_vocab: Optional[int]
   prompts: list[list[int]]
   prompt: jax.Array  # [B, P]
   prompt_len: jax.Array  # [B]
@@ -177,7 +209,8 @@ class _Prepared:
 
 
 def _prepare(bundle: Bundle, prompt, max_new_tokens, temperature, top_k, top_p, gamma,
-             gamma_max, method, policy, min_confidence, ngram, seed, stop_at_eos) -> _Prepared:
+             gamma_max, method, policy, min_confidence, ngram, seed, stop_at_eos,
+             draft_vocab) -> _Prepared:
   if method not in decode.METHODS:
     raise ValueError(f"method={method!r}: expected one of {decode.METHODS}")
   if isinstance(prompt, str) or (len(prompt) > 0 and isinstance(prompt[0], (int, np.integer))):
@@ -216,14 +249,16 @@ def _prepare(bundle: Bundle, prompt, max_new_tokens, temperature, top_k, top_p, 
   padded = np.zeros((len(ids), p_width), np.int32)
   for r, row in enumerate(ids):
     padded[r, :len(row)] = row
-  return _Prepared(spec, ids, jnp.asarray(padded), jnp.asarray([len(i) for i in ids], jnp.int32),
+  if method == "model":
+    bundle.draft_weights(draft_vocab)  # validates draft_vocab before any compute
+  return _Prepared(spec, draft_vocab, ids, jnp.asarray(padded), jnp.asarray([len(i) for i in ids], jnp.int32),
                    jnp.full((len(ids),), max_new_tokens, jnp.int32),
                    jnp.asarray(eos, jnp.int32).reshape(-1), width,
                    jax.random.key(int(seed)))
 
 
 def _programs(bundle: Bundle, prep: _Prepared, state_like=None):
-  dparams = bundle.draft.params if prep.spec.method == "model" else None
+  dparams = bundle.draft_weights(prep.draft_vocab) if prep.spec.method == "model" else None
   args = (bundle.target.params, dparams, prep.prompt, prep.prompt_len, prep.max_new, prep.eos,
           prep.key)
   pre, t_pre = PROGRAMS.get("prefill", decode.prefill, args,
@@ -265,7 +300,8 @@ def generate(bundle: Bundle, prompt: Union[Prompt, Sequence[Prompt]], *,
              top_p: float = 1.0, method: str = "model", gamma: int = 4,
              gamma_max: Optional[int] = None, policy: str = "fixed",
              min_confidence: float = 0.5, ngram: int = 3, seed: int = 0,
-             stop_at_eos: bool = True) -> Union[Result, list[Result]]:
+             stop_at_eos: bool = True,
+             draft_vocab: Optional[int] = None) -> Union[Result, list[Result]]:
   """Generates a continuation of one prompt or a batch of prompts.
 
   Args:
@@ -286,6 +322,9 @@ def generate(bundle: Bundle, prompt: Union[Prompt, Sequence[Prompt]], *,
     ngram: n-gram length for prompt lookup.
     seed: one seed reproduces one generation exactly.
     stop_at_eos: end a row at the tokenizer's (or config's) EOS tokens.
+    draft_vocab: the draft proposes only token ids below this (its output
+      head cut to those rows: a cheaper draft step; still exact, since q is
+      then 0 elsewhere). None: the full head.
 
   Returns:
     A `Result` for one prompt, a list of them for a batch. `stats` holds
@@ -296,7 +335,7 @@ def generate(bundle: Bundle, prompt: Union[Prompt, Sequence[Prompt]], *,
   """
   single = isinstance(prompt, str) or (len(prompt) > 0 and isinstance(prompt[0], (int, np.integer)))
   prep = _prepare(bundle, prompt, max_new_tokens, temperature, top_k, top_p, gamma, gamma_max,
-                  method, policy, min_confidence, ngram, seed, stop_at_eos)
+                  method, policy, min_confidence, ngram, seed, stop_at_eos, draft_vocab)
   dparams, pre, run, compile_s = _programs(bundle, prep)
   t0 = time.perf_counter()
   state = pre(bundle.target.params, dparams, prep.prompt, prep.prompt_len, prep.max_new, prep.eos,
@@ -316,7 +355,7 @@ def generate(bundle: Bundle, prompt: Union[Prompt, Sequence[Prompt]], *,
 
 
 def stream(bundle: Bundle, prompt: Prompt, *, rounds_per_dispatch: int = 4,
-           **kwargs) -> Iterator[tuple[str, list[int]]]:
+           **kwargs) -> Generator[tuple[str, list[int]], None, dict[str, Any]]:
   """Yields (text, ids) pieces of one prompt's continuation as rounds finish.
 
   The compiled loop runs `rounds_per_dispatch` rounds per call and resumes
@@ -333,6 +372,11 @@ def stream(bundle: Bundle, prompt: Prompt, *, rounds_per_dispatch: int = 4,
 
   Yields:
     (new text, new token ids) since the previous piece; text is "" without a tokenizer.
+
+  Returns:
+    The stats dict of `generate` (the generator's return value, e.g. through
+    `stats = yield from stream(...)`); prefill_s and decode_s are wall time
+    and so include the caller's time between pieces.
   """
   if not isinstance(rounds_per_dispatch, int) or rounds_per_dispatch < 1:
     raise ValueError(f"rounds_per_dispatch={rounds_per_dispatch!r}: expected an integer >= 1")
@@ -340,20 +384,24 @@ def stream(bundle: Bundle, prompt: Prompt, *, rounds_per_dispatch: int = 4,
     raise ValueError("stream takes one prompt (a string or token ids), not a batch")
   defaults = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, gamma=4,
                   gamma_max=None, method="model", policy="fixed", min_confidence=0.5,
-                  ngram=3, seed=0, stop_at_eos=True)
+                  ngram=3, seed=0, stop_at_eos=True, draft_vocab=None)
   unknown = set(kwargs) - set(defaults)
   if unknown:
     raise TypeError(f"stream() got unexpected keyword arguments {sorted(unknown)}")
   opts = {**defaults, **kwargs}
   prep = _prepare(bundle, prompt, **opts)
-  dparams, pre, run, _ = _programs(bundle, prep)
+  dparams, pre, run, compile_s = _programs(bundle, prep)
+  t0 = time.perf_counter()
   state = pre(bundle.target.params, dparams, prep.prompt, prep.prompt_len, prep.max_new, prep.eos,
               prep.key)
   start = len(prep.prompts[0])
   emitted_ids, emitted_text = start, ""
   limit = 0
+  prefill_s = None
   while True:
     seq_len = int(state.seq_len[0])
+    if prefill_s is None:
+      prefill_s = time.perf_counter() - t0
     if seq_len > emitted_ids or bool(state.done[0]):
       all_new = np.asarray(state.tokens[0, start:seq_len]).tolist()
       text = _decode_text(bundle, all_new) or ""
@@ -368,6 +416,7 @@ def stream(bundle: Bundle, prompt: Prompt, *, rounds_per_dispatch: int = 4,
         yield piece, piece_ids
       emitted_ids = seq_len
     if bool(state.done[0]):
-      return
+      return _stats(state, 0, seq_len - start, compile_s, prefill_s,
+                    time.perf_counter() - t0 - prefill_s)
     limit += rounds_per_dispatch
     state = run(bundle.target.params, dparams, state, jnp.int32(limit))

@@ -89,6 +89,20 @@ class Spec:
 
 
 @flax.struct.dataclass
+class DraftWeights:
+  """The draft model's params and, optionally, a truncated output head.
+
+  Attributes:
+    params: draft params pytree.
+    head: None, or [V', D] the first V' rows of the draft's output table,
+      sliced once outside the program (see `drafters.draft_model`).
+  """
+
+  params: Any
+  head: Optional[jax.Array] = None
+
+
+@flax.struct.dataclass
 class State:
   """What the decode loop carries from round to round.
 
@@ -163,7 +177,7 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
 
   Args:
     target_params: target params.
-    draft_params: draft params (method "model"), else None.
+    draft_params: `DraftWeights` (method "model"), else None.
     prompt: [B, P] int32 prompts, right-padded.
     prompt_len: [B] int32 real prompt lengths (1..P).
     max_new: [B] int32 tokens to generate per row (>= 1).
@@ -189,8 +203,8 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
 
   dcache = None
   if spec.method == "model":
-    dcache = cache_lib.init(spec.draft, b, width, _dtype(draft_params))
-    _, dcache = model.forward(draft_params, spec.draft, prompt, dcache,
+    dcache = cache_lib.init(spec.draft, b, width, _dtype(draft_params.params))
+    _, dcache = model.forward(draft_params.params, spec.draft, prompt, dcache,
                               logits_at=jnp.zeros((b, 1), jnp.int32))
     dcache = cache_lib.with_lengths(dcache, prompt_len)
 
@@ -221,9 +235,9 @@ def _round(target_params, draft_params, state: State, spec: Spec) -> State:
   dcache = state.draft_cache
   if spec.method == "model":
     drafts, q, gamma_eff, dcache = drafters.draft_model(
-        draft_params, spec.draft, dcache, state.tokens, state.seq_len, state.gamma,
+        draft_params.params, spec.draft, dcache, state.tokens, state.seq_len, state.gamma,
         draft_key, spec.sampling, g, vocab,
-        spec.min_confidence if spec.policy == "confidence" else 0.0)
+        spec.min_confidence if spec.policy == "confidence" else 0.0, draft_params.head)
   elif spec.method == "prompt_lookup":
     drafts, q, gamma_eff = drafters.prompt_lookup(
         state.tokens, state.seq_len, state.gamma, g, spec.ngram, vocab)
@@ -287,7 +301,7 @@ def run(target_params, draft_params, state: State, round_limit: jax.Array, *,
 
   Args:
     target_params: target params.
-    draft_params: draft params (method "model"), else None.
+    draft_params: `DraftWeights` (method "model"), else None.
     state: loop state from `prefill` or a previous `run`.
     round_limit: [] int32 stop once state.rounds reaches it (streaming
       dispatches a few rounds at a time; `generate` passes a bound no

@@ -7,6 +7,8 @@ effective gamma). All of it runs inside the compiled decode loop.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
@@ -35,10 +37,17 @@ def _fit_vocab(q: jax.Array, v: int) -> jax.Array:
   return q
 
 
+def _draft_probs(logits: jax.Array, s: sampling.Sampling, vocab: int) -> jax.Array:
+  """q over the target's vocabulary from draft logits [B, V'] (V' may be a truncated head)."""
+  if logits.shape[-1] < vocab:  # tokens past a truncated head get q = 0
+    logits = jnp.pad(logits, ((0, 0), (0, vocab - logits.shape[-1])), constant_values=-jnp.inf)
+  return _fit_vocab(sampling.probs(logits, s), vocab)
+
+
 def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
                 tokens: jax.Array, seq_len: jax.Array, gamma: jax.Array, key: jax.Array,
                 s: sampling.Sampling, gamma_max: int, vocab: int,
-                min_confidence: float = 0.0):
+                min_confidence: float = 0.0, head: Optional[jax.Array] = None):
   """Drafts up to gamma tokens per row with the draft model, sampling each from q.
 
   The draft cache is rolled back to hold every token but the last two, and
@@ -60,6 +69,9 @@ def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
     vocab: the target's vocabulary size (q is returned over it).
     min_confidence: stop drafting a row once the draft's most likely token
       has probability below this (0 disables; the first draft always counts).
+    head: optional [V', D] truncated output table (the first V' token ids):
+      the draft's head is over a quarter of its weight reads per step, and
+      a q that is 0 on rare tokens costs only acceptance, never exactness.
 
   Returns:
     (drafts [B, G] int32, q [B, G, vocab] float32, gamma_eff [B] int32,
@@ -69,8 +81,8 @@ def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
   dcache = cache_lib.with_lengths(dcache, seq_len - 2)
   pair = _gather_rows(tokens, seq_len[:, None] + jnp.array([[-2, -1]], jnp.int32))  # [B, 2]
   logits, dcache = model.forward(params, cfg, pair, dcache,
-                                 logits_at=jnp.ones((b, 1), jnp.int32))
-  q0 = _fit_vocab(sampling.probs(logits[:, 0], s), vocab)  # [B, V]
+                                 logits_at=jnp.ones((b, 1), jnp.int32), head=head)
+  q0 = _draft_probs(logits[:, 0], s, vocab)  # [B, V]
   d0 = sampling.sample(jax.random.fold_in(key, 0), q0, s)  # [B]
   drafts = jnp.zeros((b, gamma_max), jnp.int32).at[:, 0].set(d0)
   q = jnp.zeros((b, gamma_max, vocab), jnp.float32).at[:, 0].set(q0)
@@ -85,8 +97,8 @@ def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
   def body(carry):
     i, dcache, drafts, q, gamma_eff, going = carry
     prev = jax.lax.dynamic_slice_in_dim(drafts, i - 1, 1, axis=1)  # [B, 1] d_i
-    logits, dcache = model.forward(params, cfg, prev, dcache)
-    qi = _fit_vocab(sampling.probs(logits[:, 0], s), vocab)  # [B, V]
+    logits, dcache = model.forward(params, cfg, prev, dcache, head=head)
+    qi = _draft_probs(logits[:, 0], s, vocab)  # [B, V]
     di = sampling.sample(jax.random.fold_in(key, i), qi, s)
     drafts = jax.lax.dynamic_update_slice_in_dim(drafts, di[:, None], i, axis=1)
     q = jax.lax.dynamic_update_slice_in_dim(q, qi[:, None], i, axis=1)

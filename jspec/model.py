@@ -151,7 +151,7 @@ class Qwen2(nn.Module):
 
   @nn.compact
   def __call__(self, tokens, cache: cache_lib.KVCache, logits_at: Optional[jax.Array] = None,
-               head_rows: Optional[jax.Array] = None):
+               head: Optional[jax.Array] = None):
     """Runs T new tokens per row after each row's cached prefix.
 
     Args:
@@ -159,8 +159,9 @@ class Qwen2(nn.Module):
       cache: the KV cache; row b's new tokens go at slots lengths[b] + [0, T).
       logits_at: optional [B, T'] indices into T: compute logits only there
         (prefill needs one position per row; the head is V x D per position).
-      head_rows: optional [V'] token ids: compute logits only for these
-        vocabulary rows (a cheaper draft head; see `jspec.drafters`).
+      head: optional [V', D] output table to use instead of the model's own:
+        logits only for token ids 0..V'-1 (a cheaper draft head, sliced
+        once outside the compiled program; see `jspec.drafters`).
 
     Returns:
       ([B, T or T', V or V'] float32 logits, cache with lengths advanced by T).
@@ -184,15 +185,15 @@ class Qwen2(nn.Module):
     else:
       table = self.param("lm_head", nn.initializers.normal(0.02),
                          (cfg.vocab_size, cfg.hidden_size), self.dtype)  # [V, D]
-    if head_rows is not None:
-      table = table[head_rows]  # [V', D]
+    if head is not None:
+      table = head  # [V', D]
     logits = jnp.einsum("BTD,VD->BTV", x, table, preferred_element_type=jnp.float32)
     return logits, cache.replace(k=k_buf, v=v_buf, lengths=starts + t)
 
 
 def forward(params: Params, cfg: config_lib.Qwen2Config, tokens: jax.Array,
             cache: cache_lib.KVCache, logits_at: Optional[jax.Array] = None,
-            head_rows: Optional[jax.Array] = None):
+            head: Optional[jax.Array] = None):
   """Pure functional forward pass (see `Qwen2.__call__`).
 
   Args:
@@ -201,13 +202,13 @@ def forward(params: Params, cfg: config_lib.Qwen2Config, tokens: jax.Array,
     tokens: [B, T] int32 token ids (the caller checks they are in range).
     cache: KV cache to read and extend.
     logits_at: optional [B, T'] positions within T to compute logits at.
-    head_rows: optional [V'] vocabulary rows to compute logits for.
+    head: optional [V', D] output table replacing the model's own.
 
   Returns:
     ([B, T', V'] float32 logits, updated cache).
   """
   dtype = params["embed_tokens"]["embedding"].dtype
-  return Qwen2(cfg, dtype).apply({"params": params}, tokens, cache, logits_at, head_rows)
+  return Qwen2(cfg, dtype).apply({"params": params}, tokens, cache, logits_at, head)
 
 
 def init_params(cfg: config_lib.Qwen2Config, key: jax.Array, dtype=jnp.float32,

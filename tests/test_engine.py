@@ -24,6 +24,7 @@ SETTINGS = [
     dict(method="model", gamma=3),
     dict(method="model", gamma=2, gamma_max=5, policy="heuristic"),
     dict(method="model", gamma=5, policy="confidence", min_confidence=0.5, gamma_max=5),
+    dict(method="model", gamma=3, draft_vocab=5),
     dict(method="prompt_lookup", gamma=3, ngram=1),
     dict(method="prompt_lookup", gamma=4, ngram=2, policy="heuristic", gamma_max=6),
 ]
@@ -104,7 +105,7 @@ def test_caches_after_rounds_equal_a_fresh_prefill(method):
                      sampling.Sampling(1.0), 3, 3, ngram=1)
   prompt = [5, 3, 5, 3, 5]
   width = decode.buffer_width(8, 16, 3)
-  dparams = bundle.draft.params if method == "model" else None
+  dparams = decode.DraftWeights(bundle.draft.params) if method == "model" else None
   state = decode.prefill(bundle.target.params, dparams, jnp.asarray([prompt + [0] * 3]),
                          jnp.asarray([5]), jnp.asarray([16]), jnp.zeros((0,), jnp.int32),
                          jax.random.key(0), spec=spec, width=width)
@@ -213,6 +214,8 @@ def test_stream_concatenates_to_generate_and_can_be_abandoned():
     (dict(method="prompt_lookup", ngram=0), "ngram"),
     (dict(method="bogus"), "method"),
     (dict(policy="bogus"), "policy"),
+    (dict(draft_vocab=0), "draft_vocab"),
+    (dict(draft_vocab=tiny.VOCAB + 1), "draft_vocab"),
 ])
 def test_bad_input_is_a_clear_value_error(kwargs, message):
   bundle = tiny.pair(0)

@@ -107,8 +107,12 @@ def chi_square_p(samples: np.ndarray, probs: np.ndarray) -> float:
   return float(scipy.stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
 
 
-def draw(bundle, prompts: list[list[int]], spec: decode.Spec, n_new: int, seed: int) -> list[np.ndarray]:
+def draw(bundle, prompts: list[list[int]], spec: decode.Spec, n_new: int, seed: int,
+         draft_vocab: int | None = None) -> list[np.ndarray]:
   """Samples N_ROWS generations of each prompt, all prompts mixed in one batch.
+
+  Args:
+    draft_vocab: cut the draft's head to the first ids (None: full head).
 
   Returns:
     Per prompt, [N_ROWS, n_new] new token ids.
@@ -120,7 +124,7 @@ def draw(bundle, prompts: list[list[int]], spec: decode.Spec, n_new: int, seed: 
     rows[i::len(prompts), :len(p)] = p  # interleave so prompts share rounds
     lengths[i::len(prompts)] = len(p)
   width = decode.buffer_width(p_width, n_new, spec.gamma_max)
-  dparams = bundle.draft.params if spec.method == "model" else None
+  dparams = bundle.draft_weights(draft_vocab) if spec.method == "model" else None
   state = decode.prefill(bundle.target.params, dparams, jnp.asarray(rows), jnp.asarray(lengths),
                          jnp.full((len(rows),), n_new, jnp.int32), jnp.zeros((0,), jnp.int32),
                          jax.random.key(seed),
@@ -144,6 +148,8 @@ CASES = {
     "t1.0-confidence": dict(samp=sampling.Sampling(1.0), gamma=4, policy="confidence",
                             min_confidence=0.4),
     "lookup-t1.0": dict(samp=sampling.Sampling(1.0), gamma=3, method="prompt_lookup", ngram=1),
+    # The draft can propose only ids 0..5: q = 0 on the rest of the vocabulary.
+    "t1.0-g3-draft-head6": dict(samp=sampling.Sampling(1.0), gamma=3, draft_vocab=6),
 }
 
 
@@ -152,9 +158,10 @@ def test_first_three_tokens_follow_target(name):
   case = dict(CASES[name])
   samp = case.pop("samp")
   bundle = tiny.pair(seed=3, scale=0.6)
+  draft_vocab = case.pop("draft_vocab", None)
   spec = decode.Spec(tiny.TARGET, tiny.DRAFT, case.pop("method", "model"), samp,
                      case.pop("gamma_max", case["gamma"]), **case)
-  samples = draw(bundle, PROMPTS, spec, 3, seed=11)
+  samples = draw(bundle, PROMPTS, spec, 3, seed=11, draft_vocab=draft_vocab)
   for prompt, got in zip(PROMPTS, samples):
     probs = exact_joint(bundle, prompt, 3, samp)
     p_value = chi_square_p(got, probs)

