@@ -8,7 +8,7 @@ The decode loop itself never returns to Python between rounds.
 from __future__ import annotations
 
 import dataclasses
-import math
+import os
 import time
 from typing import Any, Generator, Optional, Sequence, Union
 
@@ -18,6 +18,7 @@ import numpy as np
 
 from jspec import config as config_lib
 from jspec import decode
+from jspec import fetch
 from jspec import sampling
 
 Prompt = Union[str, Sequence[int]]
@@ -173,6 +174,20 @@ def _spec(bundle: Bundle, method: str, temperature: float, top_k: int, top_p: fl
                      float(min_confidence), ngram)
 
 
+def enable_persistent_cache() -> None:
+  """Points JAX's persistent compilation cache at `<jspec cache>/xla` (once).
+
+  A second process then loads the compiled programs instead of compiling
+  them again. A cache directory the user configured already is left alone;
+  JSPEC_XLA_CACHE=0 turns this off.
+  """
+  if os.environ.get("JSPEC_XLA_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
+    return
+  jax.config.update("jax_compilation_cache_dir", str(fetch.cache_dir() / "xla"))
+  # The tiny programs of tests compile in well under a second; cache what matters.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 class _Programs:
   """Compiled prefill/run executables, keyed by spec and shapes (compile once)."""
 
@@ -185,6 +200,7 @@ class _Programs:
         lambda x: (x.shape, x.dtype) if hasattr(x, "shape") else x, args))
     key = (key[0], key[1], str(key[2]))
     if key not in self.cache:
+      enable_persistent_cache()
       t0 = time.perf_counter()
       self.cache[key] = fn.lower(*args, **static).compile()
       self.compiles += 1

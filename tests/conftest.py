@@ -4,8 +4,15 @@ Sizes are small primes (or odd products) where the architecture allows, so a
 swapped axis shows up as a shape error instead of passing by coincidence.
 """
 
+import os
+import tempfile
+
 import numpy as np
 import pytest
+
+# Tests never touch the user's jspec cache (assembled models, converted
+# params, compiled programs): everything goes to a throwaway directory.
+os.environ.setdefault("JSPEC_CACHE", tempfile.mkdtemp(prefix="jspec-test-cache-"))
 
 # 256 single-byte tokens + 3 merges + 3 control + 1 user-defined token = 263
 # ids (a prime). "1 2" is a merge the Qwen2 split regex never lets apply (it
