@@ -106,9 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "prompt), or none (the target alone) (default: model)")
   gen.add_argument("--ngram", type=_number(int, 1), default=3, metavar="N",
                    help="n-gram length for prompt_lookup (default: 3)")
+  gen.add_argument("--draft-vocab", type=_number(int, 1), default=None, metavar="V",
+                   help="the draft proposes only token ids below V (a cheaper draft head; "
+                   "the output stays the target's) (default: the full vocabulary)")
   which = gen.add_mutually_exclusive_group()
   which.add_argument("--model", metavar="NAME",
-                     help=f"a known model or pair (default: {loading.DEFAULT_PAIR}; see jspec info)")
+                     help=f"a known model or pair (default: {loading.DEFAULT_PAIR}; see "
+                     "jspec info)")
   which.add_argument("--target", metavar="PATH",
                      help="target checkpoint: HF directory, GGUF file or converted jspec file")
   gen.add_argument("--draft-model", metavar="PATH",
@@ -208,7 +212,8 @@ def _generate(args) -> int:
   options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                  top_k=args.top_k, top_p=args.top_p, method=method, gamma=args.gamma,
                  gamma_max=args.gamma_max, policy=args.policy,
-                 min_confidence=args.min_confidence, ngram=args.ngram, seed=args.seed)
+                 min_confidence=args.min_confidence, ngram=args.ngram, seed=args.seed,
+                 draft_vocab=args.draft_vocab)
   if args.json:
     result = api.generate(bundle, text, **options)
     settings = {**options, "target": target, "draft_model": draft, "dtype": args.dtype,
@@ -231,7 +236,8 @@ def _generate(args) -> int:
         sys.stdout.flush()
         ends_in_newline = piece.endswith("\n")
     if not ends_in_newline and sys.stdout.isatty():
-      sys.stdout.write("\n")  # keep the shell prompt off the last line; pipes get the exact text
+      # Keeps the shell prompt off the last line; a pipe gets the exact text.
+      sys.stdout.write("\n")
     sys.stdout.flush()
   if args.stats:
     print(_stats_line(stats, method), file=sys.stderr)
@@ -252,7 +258,8 @@ def _info(args) -> int:
                       "models": rows}))
     return 0
   print(f"jax {jax.__version__}, backend {jax.default_backend()}: {', '.join(devices)}")
-  print(f"cache: {cache}" + ("" if os.environ.get("JSPEC_CACHE") else "  (set JSPEC_CACHE to move it)"))
+  moved = os.environ.get("JSPEC_CACHE")
+  print(f"cache: {cache}" + ("" if moved else "  (set JSPEC_CACHE to move it)"))
   for name, pair in pairs.items():
     print(f"pair {name}: target {pair['target']}, draft {pair['draft']}")
   for row in rows:
@@ -285,12 +292,6 @@ def _bench(argv: Sequence[str]) -> int:
   return int(module.main(list(argv)) or 0)
 
 
-def _enable_compilation_cache() -> None:
-  """Keeps compiled XLA programs on disk so that a later run skips compiling."""
-  if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-    jax.config.update("jax_compilation_cache_dir", str(fetch.cache_dir() / "xla"))
-
-
 def _run(argv: list[str]) -> int:
   # convert and bench own their argument parsing (and their --help).
   if argv and argv[0] == "convert":
@@ -311,9 +312,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   """Runs the `jspec` command.
 
   Args:
-    argv: arguments without the program name. None means sys.argv[1:], i.e.
-      a real command line, which also turns on JAX's persistent compilation
-      cache (in-process callers keep their own JAX configuration).
+    argv: arguments without the program name (None: sys.argv[1:]).
 
   Returns:
     Exit status: 0 on success, 2 on a user error, 130 on Ctrl-C, 141 when
@@ -321,7 +320,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   """
   if argv is None:
     argv = sys.argv[1:]
-    _enable_compilation_cache()
   debug = bool(os.environ.get("JSPEC_DEBUG"))
   try:
     return _run(list(argv))

@@ -22,6 +22,8 @@ import pathlib
 import sys
 from typing import Any, Optional, Union
 
+import tokenizers
+
 import convert
 from convert import gguf_file
 from convert import hf
@@ -176,6 +178,52 @@ def _load_cached(gguf_path: pathlib.Path, sha256: str, dtype: str, progress: boo
   return model
 
 
+def _tokenizer_cache_path(gguf_path: pathlib.Path) -> pathlib.Path:
+  return gguf_path.with_name(f"{gguf_path.stem}.tokenizer.json")
+
+
+def _read_tokenizer_cache(path: pathlib.Path, sha256: str) -> Optional[tokenizer_lib.Tokenizer]:
+  """The cached tokenizer, or None if it is absent, stale or unreadable."""
+  try:
+    saved = json.loads(path.read_text())
+  except FileNotFoundError:
+    return None
+  except (OSError, ValueError):
+    saved = None
+  if isinstance(saved, dict) and saved.get("source_sha256") != sha256:
+    return None  # from another GGUF: rebuild quietly
+  try:
+    return tokenizer_lib.Tokenizer(
+        tokenizers.Tokenizer.from_str(saved["backend"]), saved["eos_token_ids"],
+        chat_template=saved["chat_template"], bos_token=saved["bos_token"],
+        eos_token=saved["eos_token"])
+  except Exception:  # pylint: disable=broad-except  (tokenizers raises a bare Exception)
+    print(f"jspec: tokenizer cache {path} is unusable; rebuilding", file=sys.stderr)
+    return None
+
+
+def _cached_tokenizer(gguf_path: pathlib.Path, sha256: str) -> tokenizer_lib.Tokenizer:
+  """A verified GGUF's tokenizer, kept as JSON beside it.
+
+  Reading the vocabulary out of GGUF metadata takes about 10 s for Qwen2's
+  151k tokens and merges (gguf-py parses each entry); the tokenizers JSON
+  loads in a fraction of a second. The file records the GGUF's sha256; one
+  that does not match or does not parse is rebuilt.
+  """
+  path = _tokenizer_cache_path(gguf_path)
+  tok = _read_tokenizer_cache(path, sha256)
+  if tok is not None:
+    return tok
+  tok = tokenizer_lib.from_gguf(gguf_path)
+  saved = {"source_sha256": sha256, "eos_token_ids": list(tok.eos_token_ids),
+           "chat_template": tok.chat_template, "bos_token": tok.bos_token,
+           "eos_token": tok.eos_token, "backend": tok.backend.to_str()}
+  tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+  tmp.write_text(json.dumps(saved))
+  os.replace(tmp, path)  # atomic: a reader sees the old file or the new one
+  return tok
+
+
 def _model(path: PathLike, dtype: str, progress: bool = False) -> api.Model:
   cfg, params = convert.load_checkpoint(path, dtype=dtype, progress=progress)
   return api.Model(cfg, params)
@@ -300,6 +348,8 @@ def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
     tok = tokenizer
   elif tokenizer is not None:
     tok = tokenizer_lib.load(pathlib.Path(tokenizer).expanduser())
+  elif t_source:
+    tok = _cached_tokenizer(t_path, t_source.sha256)
   else:
     tok = _own_tokenizer(t_kind, t_path)
   # Two pinned known models need no comparison; anything else might be a

@@ -1,0 +1,390 @@
+"""jspec.load on tiny checkpoints: mixed formats, vocabulary checks, bad paths, and the
+known-pair path on fake chunk packages (assemble, convert once, reuse, rebuild).
+
+The helpers at the top (`write_hf`, `write_pair`) are shared with test_cli.py.
+"""
+
+import hashlib
+import importlib
+import json
+import os
+import pathlib
+
+import numpy as np
+import pytest
+import safetensors.numpy
+
+import convert
+import jspec
+from convert import store
+from jspec import config as config_lib
+from jspec import fetch
+from jspec import loading
+from jspec import tokenizer as tokenizer_lib
+
+# A one-layer draft unlike the target in every size, over the same 263-id vocab
+# (head_dim = hidden / heads: GGUF metadata has no separate head size here).
+TARGET_SIZES = dict(hidden_size=48, head_dim=8, num_attention_heads=6, num_key_value_heads=2)
+DRAFT_SIZES = dict(hidden_size=20, head_dim=10, num_attention_heads=2, num_key_value_heads=1,
+                   intermediate_size=19, num_hidden_layers=1)
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% endif %}")
+PROMPT = "def f(x):"  # the tiny target does not end it at once (it does "the thin...")
+
+
+def write_hf(path, model, tiny_vocab, swap=None):
+  """Saves an HF checkpoint directory with a tokenizer.json of the tiny vocab.
+
+  Args:
+    path: the directory.
+    model: a transformers Qwen2ForCausalLM.
+    tiny_vocab: (tokens, merges, types) from conftest.
+    swap: a pair of token ids whose strings trade places (a different vocabulary).
+
+  Returns:
+    The directory.
+  """
+  tokens, merges, types = tiny_vocab
+  tokens = list(tokens)
+  if swap:
+    a, b = swap
+    tokens[a], tokens[b] = tokens[b], tokens[a]
+  model.save_pretrained(path, safe_serialization=True)
+  tokenizer_lib.from_vocab(tokens, merges, types).save(str(path / "tokenizer.json"))
+  (path / "tokenizer_config.json").write_text(json.dumps(
+      {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None}))
+  return path
+
+
+def write_pair(root, make_hf_model, write_gguf, tiny_vocab):
+  """A tiny target as an HF directory and a tiny draft as a GGUF file.
+
+  Returns:
+    (target directory, draft GGUF path).
+  """
+  root.mkdir(parents=True, exist_ok=True)
+  target = write_hf(root / "target", make_hf_model(seed=1, **TARGET_SIZES), tiny_vocab)
+  draft = write_gguf(root / "draft.gguf", make_hf_model(seed=2, **DRAFT_SIZES))
+  return target, draft
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, make_hf_model, write_gguf, tiny_vocab):
+  return write_pair(tmp_path_factory.mktemp("pair"), make_hf_model, write_gguf, tiny_vocab)
+
+
+def test_mixed_hf_target_gguf_draft_generates(pair):
+  target, draft = pair
+  bundle = jspec.load(target, draft, progress=False)
+  assert bundle.draft is not None and bundle.draft.cfg.num_layers == 1
+  assert bundle.tokenizer.chat_template == CHAT_TEMPLATE  # from the target
+  spec = jspec.generate(bundle, PROMPT, max_new_tokens=12)
+  base = jspec.generate(bundle, PROMPT, max_new_tokens=12, method="target")
+  assert spec.token_ids == base.token_ids and spec.text == base.text
+  assert spec.stats["drafted"] > 0
+
+
+def test_gguf_target_hf_draft(pair, tmp_path, make_hf_model, write_gguf):
+  target_dir, _ = pair
+  gguf_target = write_gguf(tmp_path / "t.gguf", make_hf_model(seed=1, **TARGET_SIZES))
+  bundle = jspec.load(gguf_target, target_dir, progress=False)
+  assert bundle.tokenizer.encode(PROMPT) == jspec.load(target_dir).tokenizer.encode(PROMPT)
+
+
+def test_different_vocabularies_refused(pair, tmp_path, make_hf_model, tiny_vocab):
+  target, _ = pair
+  other = write_hf(tmp_path / "other", make_hf_model(seed=3, **DRAFT_SIZES), tiny_vocab,
+                   swap=(100, 101))
+  with pytest.raises(ValueError, match="different vocabularies.*token id 100"):
+    jspec.load(target, other, progress=False)
+
+
+def test_vocabulary_rows_mismatch_refused(pair, tmp_path, make_hf_model):
+  target, _ = pair
+  short = tmp_path / "short"
+  make_hf_model(seed=3, vocab_size=200, **DRAFT_SIZES).save_pretrained(short)  # no tokenizer
+  with pytest.raises(ValueError, match="200 rows"):
+    jspec.load(target, short, progress=False)
+
+
+def test_jspec_file_target_needs_a_tokenizer_for_text(pair, tmp_path):
+  target, draft = pair
+  out = convert.convert_checkpoint(target, tmp_path / "t.jspec.safetensors")
+  bundle = jspec.load(out, draft, progress=False)
+  assert bundle.tokenizer is None
+  with pytest.raises(ValueError, match="needs a tokenizer"):
+    jspec.generate(bundle, PROMPT, max_new_tokens=4)
+  ids = jspec.load(target).tokenizer.encode(PROMPT)
+  by_ids = jspec.generate(bundle, ids, max_new_tokens=6)
+  with_tok = jspec.load(out, draft, progress=False, tokenizer=target)
+  assert jspec.generate(with_tok, PROMPT, max_new_tokens=6).token_ids == by_ids.token_ids
+
+
+def _bad_path(root, kind):
+  """A path jspec.load must refuse: missing, an empty directory, a pickle, a text file."""
+  if kind == "missing":
+    return root / "missing.gguf"
+  if kind == "not-a-checkpoint":
+    (root / "empty").mkdir()
+    return root / "empty"
+  path = root / {"pickle": "m.bin", "text-file": "x.txt"}[kind]
+  path.write_bytes(b"\x80\x04junk" if kind == "pickle" else b"hello")
+  return path
+
+
+@pytest.mark.parametrize("kind,words", [
+    ("missing", ("missing.gguf", "no such file")),
+    ("not-a-checkpoint", ("empty", "config.json")),
+    ("pickle", ("pickle", "safetensors")),
+    ("text-file", ("x.txt", "not a GGUF")),
+])
+def test_bad_paths(tmp_path, kind, words):
+  with pytest.raises(convert.ConvertError) as err:
+    jspec.load(_bad_path(tmp_path, kind), progress=False)
+  for word in words:
+    assert word in str(err.value)
+
+
+def test_pickle_directory_refused_before_tokenizer(pair, tmp_path):
+  target, _ = pair
+  bad = tmp_path / "pickle"
+  bad.mkdir()
+  for name in ("config.json", "tokenizer.json"):
+    (bad / name).write_text((target / name).read_text())
+  (bad / "pytorch_model.bin").write_bytes(b"\x80\x04junk")
+  with pytest.raises(convert.ConvertError, match="pickle.*safetensors"):
+    jspec.load(bad, progress=False)
+
+
+def test_unknown_name_and_other_architecture(pair, tmp_path):
+  with pytest.raises(fetch.FetchError, match="qwen2.5-coder"):
+    jspec.load("llama-7b", progress=False)
+  target, _ = pair
+  llama = tmp_path / "llama"
+  llama.mkdir()
+  config = json.loads((target / "config.json").read_text())
+  config.update(model_type="llama", architectures=["LlamaForCausalLM"])
+  (llama / "config.json").write_text(json.dumps(config))
+  (llama / "model.safetensors").write_bytes((target / "model.safetensors").read_bytes())
+  with pytest.raises(config_lib.ConfigError, match="llama"):
+    jspec.load(llama, progress=False)
+  with pytest.raises(ValueError, match="pair"):
+    jspec.load("qwen2.5-coder", draft=target)
+  with pytest.raises(convert.ConvertError, match="dtype"):
+    jspec.load(target, dtype="int4")
+
+
+# The known-pair path on fake chunk packages.
+
+def _chunk_package(site, module, data):
+  """One fake chunk package holding `data` as data/part01.bin; importing it fails."""
+  pkg = site / module
+  (pkg / "data").mkdir(parents=True)
+  (pkg / "__init__.py").write_text('raise RuntimeError("must not import")\n')
+  (pkg / "data" / "part01.bin").write_bytes(data)
+
+
+def _fake_source(site, name, gguf_path, parts=3):
+  """Splits a GGUF file into `parts` chunk packages and returns its ModelSource."""
+  data = gguf_path.read_bytes()
+  cuts = np.linspace(0, len(data), parts + 1).astype(int)
+  prefix = f"fakechunk_{site.parent.name.replace('-', '_')}_{name.replace('-', '_')}_"
+  modules = []
+  for k in range(parts):
+    modules.append(f"{prefix}{k}")
+    _chunk_package(site, modules[-1], data[cuts[k]:cuts[k + 1]])
+  return fetch.ModelSource(
+      name=name, modules=tuple(modules), part_files=("data/part01.bin",) * parts,
+      sha256=hashlib.sha256(data).hexdigest(), size=len(data), filename=f"{name}.gguf",
+      pip_names=tuple(m.replace("_", "-") for m in modules), version="1.0")
+
+
+@pytest.fixture(scope="module")
+def fake_ggufs(tmp_path_factory, make_hf_model, write_gguf):
+  root = tmp_path_factory.mktemp("ggufs")
+  return (write_gguf(root / "t.gguf", make_hf_model(seed=4, **TARGET_SIZES)),
+          write_gguf(root / "d.gguf", make_hf_model(seed=5, **DRAFT_SIZES)))
+
+
+@pytest.fixture
+def fake_pair(tmp_path, monkeypatch, fake_ggufs):
+  """A known pair "fake-pair" served from chunk packages, with JSPEC_CACHE in tmp_path."""
+  site = tmp_path / "site"
+  site.mkdir()
+  t_src = _fake_source(site, "fake-target", fake_ggufs[0])
+  d_src = _fake_source(site, "fake-draft", fake_ggufs[1])
+  monkeypatch.syspath_prepend(str(site))
+  importlib.invalidate_caches()
+  monkeypatch.setattr(fetch, "MODELS", {"fake-target": t_src, "fake-draft": d_src})
+  monkeypatch.setattr(fetch, "ALIASES", {"fake-t": "fake-target"})
+  monkeypatch.setattr(fetch, "PAIRS", {"fake-pair": ("fake-target", "fake-draft")})
+  monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
+  return tmp_path / "cache"
+
+
+def _count_conversions(monkeypatch):
+  calls = []
+  real = convert.convert_checkpoint
+
+  def counting(src, out, *args, **kwargs):
+    calls.append(pathlib.Path(src).name)
+    return real(src, out, *args, **kwargs)
+
+  monkeypatch.setattr(convert, "convert_checkpoint", counting)
+  return calls
+
+
+def _no_conversion(monkeypatch):
+  def fail(*a, **k):
+    raise AssertionError("converted again instead of using the cache")
+
+  monkeypatch.setattr(convert, "convert_checkpoint", fail)
+
+
+def _no_gguf_tokenizer(monkeypatch):
+  def fail(*a, **k):
+    raise AssertionError("read the tokenizer from the GGUF instead of its cache")
+
+  monkeypatch.setattr(tokenizer_lib, "from_gguf", fail)
+
+
+def _converted(cache, name):
+  return loading.converted_path(cache / f"{name}.gguf", "float32")
+
+
+def _ids(bundle):
+  return jspec.generate(bundle, PROMPT, max_new_tokens=8).token_ids
+
+
+def test_known_pair_assembles_converts_once_then_reuses(fake_pair, monkeypatch, fake_ggufs):
+  calls = _count_conversions(monkeypatch)
+  first = jspec.load("fake-pair", progress=False)
+  assert sorted(calls) == ["fake-draft.gguf", "fake-target.gguf"]
+  for name, gguf in zip(("fake-target", "fake-draft"), fake_ggufs):
+    assert (fake_pair / f"{name}.gguf").read_bytes() == gguf.read_bytes()
+    assert _converted(fake_pair, name).is_file()
+  assert first.tokenizer is not None and first.draft.cfg.num_layers == 1
+  direct = jspec.load(fake_ggufs[0], fake_ggufs[1], progress=False)
+  assert _ids(first) == _ids(direct)
+  _no_conversion(monkeypatch)
+  _no_gguf_tokenizer(monkeypatch)
+  second = jspec.load("fake-pair", progress=False)
+  assert _ids(second) == _ids(first)
+  for attr in ("eos_token_ids", "chat_template", "bos_token", "eos_token", "vocab_size"):
+    assert getattr(second.tokenizer, attr) == getattr(first.tokenizer, attr)
+  # A single known model (and its alias) uses the same cache.
+  assert jspec.load("fake-t", progress=False).draft is None
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garble-same-size"])
+def test_corrupted_converted_file_is_rebuilt(fake_pair, monkeypatch, capsys, damage):
+  expected = _ids(jspec.load("fake-pair", progress=False))
+  out = _converted(fake_pair, "fake-target")
+  data = bytearray(out.read_bytes())
+  if damage == "truncate":
+    out.write_bytes(bytes(data[: len(data) // 2]))
+  else:  # a flipped weight byte keeps the size and still loads: only the stamp notices
+    data[-5] ^= 0xFF
+    out.write_bytes(bytes(data))
+    st = out.stat()
+    os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns + 10_000_000))
+  calls = _count_conversions(monkeypatch)
+  assert _ids(jspec.load("fake-pair", progress=False)) == expected
+  assert calls == ["fake-target.gguf"]
+  assert "rebuilding" in capsys.readouterr().err
+  _no_conversion(monkeypatch)
+  jspec.load("fake-pair", progress=False)
+
+
+def test_stamped_but_unreadable_file_is_rebuilt(fake_pair, monkeypatch, capsys):
+  expected = _ids(jspec.load("fake-pair", progress=False))
+  out = _converted(fake_pair, "fake-draft")
+  with open(out, "r+b") as f:  # garble the header without touching size or mtime
+    st = os.fstat(f.fileno())
+    f.seek(9)
+    f.write(b"\xff" * 16)
+  os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))
+  calls = _count_conversions(monkeypatch)
+  assert _ids(jspec.load("fake-pair", progress=False)) == expected
+  assert calls == ["fake-draft.gguf"]
+  assert "unusable" in capsys.readouterr().err
+
+
+def test_interrupted_conversion_leaves_cache_usable(fake_pair, monkeypatch):
+  real_save = safetensors.numpy.save_file
+
+  def dies_midway(tensors, filename, metadata=None):
+    real_save(tensors, filename, metadata=metadata)
+    with open(filename, "r+b") as f:  # half written, as if killed
+      f.truncate(os.path.getsize(filename) // 2)
+    raise KeyboardInterrupt
+
+  with monkeypatch.context() as m:
+    m.setattr(safetensors.numpy, "save_file", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+      jspec.load("fake-pair", progress=False)
+  assert not _converted(fake_pair, "fake-target").exists()
+  # What a SIGKILL would leave instead: the temporary, which nothing trusts.
+  leftover = fake_pair / f".{_converted(fake_pair, 'fake-target').name}.abc123.tmp"
+  leftover.write_bytes(b"half a file")
+  bundle = jspec.load("fake-pair", progress=False)
+  assert len(_ids(bundle)) == 8
+  assert not leftover.exists() and not list(fake_pair.glob("*.tmp"))
+
+
+def test_unstamped_file_adopted_only_if_newer_than_its_gguf(fake_pair, monkeypatch):
+  jspec.load("fake-pair", progress=False)
+  out = _converted(fake_pair, "fake-target")
+  stamp = out.with_name(out.name + ".stamp")
+  stamp.unlink()  # killed between the rename and the stamp
+  with monkeypatch.context() as m:
+    _no_conversion(m)
+    jspec.load("fake-pair", progress=False)
+  assert stamp.is_file()
+  stamp.unlink()
+  gguf = fake_pair / "fake-target.gguf"
+  os.utime(out, ns=(gguf.stat().st_mtime_ns - 10**9,) * 2)  # older: from some other file
+  calls = _count_conversions(monkeypatch)
+  jspec.load("fake-pair", progress=False)
+  assert calls == ["fake-target.gguf"]
+
+
+def test_stale_conversion_of_another_gguf_is_rebuilt(fake_pair, monkeypatch):
+  jspec.load("fake-pair", progress=False)
+  out = _converted(fake_pair, "fake-target")
+  stamp = out.with_name(out.name + ".stamp")
+  record = json.loads(stamp.read_text())
+  stamp.write_text(json.dumps({**record, "source_sha256": "0" * 64}))
+  calls = _count_conversions(monkeypatch)
+  jspec.load("fake-pair", progress=False)
+  assert calls == ["fake-target.gguf"]
+  assert json.loads(stamp.read_text())["format_version"] == store.FORMAT_VERSION
+
+
+def test_missing_chunk_package_names_it(fake_pair, monkeypatch):
+  source = fetch.MODELS["fake-draft"]
+  broken = fetch.ModelSource(**{**source.__dict__, "modules": ("no_such_chunk_xyz",) * 3,
+                                "pip_names": ("no-such-chunk-xyz",) * 3})
+  monkeypatch.setitem(fetch.MODELS, "fake-draft", broken)
+  with pytest.raises(fetch.FetchError, match="no-such-chunk-xyz==1.0"):
+    jspec.load("fake-pair", progress=False)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "bad-backend", "other-gguf"])
+def test_tokenizer_cache_is_rebuilt_unless_it_matches(fake_pair, monkeypatch, capsys, damage):
+  first = jspec.load("fake-pair", progress=False)
+  path = fake_pair / "fake-target.tokenizer.json"
+  saved = json.loads(path.read_text())
+  if damage == "garbage":
+    path.write_text(path.read_text()[:1000])
+  elif damage == "bad-backend":
+    path.write_text(json.dumps({**saved, "backend": "{not a tokenizer"}))
+  else:
+    path.write_text(json.dumps({**saved, "source_sha256": "0" * 64}))
+  second = jspec.load("fake-pair", progress=False)
+  assert second.tokenizer.encode(PROMPT) == first.tokenizer.encode(PROMPT)
+  assert ("unusable" in capsys.readouterr().err) == (damage != "other-gguf")
+  assert json.loads(path.read_text()) == saved
+  _no_gguf_tokenizer(monkeypatch)
+  jspec.load("fake-pair", progress=False)
