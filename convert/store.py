@@ -168,10 +168,15 @@ def load(path, dtype: Any = None,
   dtypes = {n: handle.get_slice(n).get_dtype() for n in names}
   _check(cfg, shapes, dtypes, str(path))
   cast = keys.resolve_dtype(dtype) if dtype is not None else None
+  del handle
   params: dict = {}
   for name in names:
     try:
-      array = handle.get_tensor(name)
+      # A handle per tensor: its memory map (and the file pages it made
+      # resident) goes away with it, so peak RSS stays near the params'
+      # own bytes instead of params + the whole mapped file.
+      with safetensors.safe_open(str(path), framework="numpy") as one:
+        array = one.get_tensor(name)
     except Exception as e:
       raise keys.ConvertError(f"{path}: cannot read tensor {name!r}, the file is truncated or "
                               f"corrupted ({type(e).__name__}: {e})") from None
