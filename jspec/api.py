@@ -167,8 +167,12 @@ def _spec(bundle: Bundle, method: str, temperature: float, top_k: int, top_p: fl
   if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1:
     raise ValueError(f"gamma={gamma!r}: expected an integer >= 1")
   g_max = gamma if gamma_max is None else gamma_max
-  if policy in ("heuristic", "confidence") and gamma_max is None:
+  if policy == "heuristic" and gamma_max is None:
     g_max = max(gamma, 8)
+  if policy == "confidence":
+    # The confidence policy drafts up to gamma while the draft stays sure:
+    # gamma is its cap, and verify width G + 1 should match it.
+    gamma = g_max
   draft_cfg = dataclasses.replace(bundle.draft.cfg, eos_token_ids=()) if method == "model" else None
   return decode.Spec(t_cfg, draft_cfg, method, samp, g_max, gamma, policy,
                      float(min_confidence), ngram)

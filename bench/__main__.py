@@ -1,0 +1,152 @@
+"""`python -m bench`: jspec's decoding modes against HF transformers, in one run.
+
+Examples:
+  python -m bench                                    # full suite, every mode, real pair
+  python -m bench --prompts 2 --max-new-tokens 32 --reps 1 --gammas 2,4
+  python -m bench --suite humaneval --limit 20 --modes target,spec_g4,heuristic
+  python -m bench --resume --out bench/results/suite_cpu.json   # continue a run that died
+  python -m bench --smoke                            # tiny random models, seconds
+  python -m bench --random-weights --dtype bfloat16 --device gpu \\
+      --histograms bench/results/suite_cpu.json       # GPU, no weight files
+
+Exit status: 0; 1 if any jspec mode's greedy ids differ from jspec
+target-only's (the correctness gate); 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+from typing import Optional, Sequence
+
+
+def _ints(text: str) -> list[int]:
+  try:
+    values = [int(x) for x in text.split(",") if x.strip()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
+  if not values or any(v < 1 for v in values):
+    raise argparse.ArgumentTypeError(f"{text!r}: expected integers >= 1")
+  return values
+
+
+def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
+  """The command-line options.
+
+  Args:
+    prog: the program name shown in help.
+
+  Returns:
+    The parser.
+  """
+  p = argparse.ArgumentParser(prog=prog, description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  what = p.add_argument_group("what to run")
+  what.add_argument("--suite", choices=("suite", "humaneval"), default="suite",
+                    help="the fixed prompt suite (bench/prompts.py) or HumanEval's 164 prompts")
+  what.add_argument("--limit", type=int, help="keep the first N prompts of the suite")
+  what.add_argument("--prompts", help="a count (first N), a slice (4:8), or comma-separated "
+                                      "names and kinds (code, edit, chat)")
+  what.add_argument("--modes", help="comma-separated modes (target, spec_g<G>, heuristic, "
+                                    "confidence, prompt_lookup, hf_target, hf_assisted) or "
+                                    "groups (spec, adaptive, lookup, hf, jspec); target is "
+                                    "always run")
+  what.add_argument("--gammas", type=_ints, help="fixed gammas (default 1,2,...,8)")
+  what.add_argument("--adaptive-gamma-max", type=int, default=8,
+                    help="static gamma bound of the adaptive policies (default 8)")
+  what.add_argument("--min-confidence", type=float, default=0.5,
+                    help="threshold of the confidence policy (default 0.5)")
+  what.add_argument("--lookup-gamma", type=int, default=4, help="prompt lookup drafts (default 4)")
+  what.add_argument("--ngram", type=int, default=3, help="prompt lookup n-gram (default 3)")
+  what.add_argument("--draft-vocab", type=int,
+                    help="cut the draft's output head to the first N token ids in every "
+                         "draft-model mode (jspec.generate's draft_vocab; default: full head)")
+  what.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 128)")
+  what.add_argument("--reps", type=int, help="timed repetitions; figures are medians (default 3)")
+  what.add_argument("--stop-at-eos", action="store_true",
+                    help="stop at EOS on both sides (default: EOS disabled on both, so every "
+                         "generation is --max-new-tokens long)")
+  what.add_argument("--no-hf", action="store_true", help="skip the HF transformers peers")
+  models = p.add_argument_group("models")
+  models.add_argument("--model", default="qwen2.5-coder", help="known pair (default qwen2.5-coder)")
+  models.add_argument("--target", help="target checkpoint path (GGUF, HF dir or jspec file)")
+  models.add_argument("--draft", help="draft checkpoint path")
+  models.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+  models.add_argument("--device", default="auto", choices=("auto", "cpu", "gpu"),
+                      help="JAX platform (and the HF peers' device)")
+  models.add_argument("--random-weights", action="store_true",
+                      help="random weights of the real shapes (no weight files, no network)")
+  models.add_argument("--histograms", help="a results JSON of the real pair: derive speculative "
+                                           "tokens/s from its accepted-length histograms")
+  models.add_argument("--smoke", action="store_true",
+                      help="tiny random models, three prompts, 16 tokens: the whole pipeline "
+                           "in seconds")
+  out = p.add_argument_group("output")
+  out.add_argument("--out", help="results JSON (default bench/results/<suite>_<device>.json in "
+                                 "this checkout); plots are written beside it")
+  out.add_argument("--resume", action="store_true",
+                   help="keep the records already in --out and measure only the missing ones")
+  out.add_argument("--allow-mismatch", action="store_true",
+                   help="finish the run after a greedy mismatch (the exit status is still 1)")
+  out.add_argument("--bandwidth-bytes", type=int, help="array size of the bandwidth probe "
+                                                       "(default 1 GiB; smoke 64 MiB)")
+  return p
+
+
+def _defaults(opts: argparse.Namespace) -> argparse.Namespace:
+  """Fills the defaults that depend on --smoke and --random-weights."""
+  smoke = opts.smoke
+  if opts.gammas is None:
+    opts.gammas = [2] if smoke else list(range(1, 9))
+  if opts.max_new_tokens is None:
+    opts.max_new_tokens = 16 if smoke else 128
+  if opts.reps is None:
+    opts.reps = 1 if smoke else 3
+  if opts.bandwidth_bytes is None:
+    opts.bandwidth_bytes = (64 << 20) if smoke else (1 << 30)
+  if smoke:
+    opts.adaptive_gamma_max = min(opts.adaptive_gamma_max, max(opts.gammas) + 1)
+  if opts.random_weights and opts.modes is None:
+    # On random weights only round costs mean anything: target, fixed gammas, the HF target.
+    opts.modes = "target,spec,hf_target"
+  if opts.out is None:
+    device = {"auto": "cpu", "cpu": "cpu", "gpu": "gpu"}[opts.device]
+    kind = "smoke" if smoke else opts.suite
+    suffix = "_random" if opts.random_weights else ""
+    opts.out = str(pathlib.Path(__file__).resolve().parent / "results"
+                   / f"{kind}_{device}{suffix}.json")
+  return opts
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m bench") -> int:
+  """Runs the benchmark.
+
+  Args:
+    argv: arguments without the program name (None: sys.argv[1:]).
+    prog: the program name shown in help (`jspec bench` passes its own).
+
+  Returns:
+    The exit status (0 ok, 1 correctness gate failed, 2 bad arguments).
+  """
+  argv = list(sys.argv[1:] if argv is None else argv)
+  parser = build_parser(prog)
+  opts = _defaults(parser.parse_args(argv))
+  if opts.target and not opts.draft:
+    parser.error("--target needs --draft")
+  if opts.reps < 1 or opts.max_new_tokens < 1:
+    parser.error("--reps and --max-new-tokens must be >= 1")
+  if opts.device != "auto":
+    # Before JAX is first imported (below), so that it picks this platform.
+    os.environ["JAX_PLATFORMS"] = {"cpu": "cpu", "gpu": "cuda"}[opts.device]
+  from bench import runner  # pylint: disable=import-outside-toplevel (imports JAX)
+  try:
+    return runner.run(opts, argv)
+  except runner.UsageError as e:  # unknown prompt or mode names, mismatched --resume settings
+    parser.error(str(e))
+  return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,122 @@
+"""One jspec mode on one prompt: a warm-up when it compiles, then repetitions and their medians.
+
+Compile time is already outside jspec's timings (`generate` compiles before it
+starts the clock, and reports compile_s apart). A call that did compile is
+still thrown away as a warm-up, so a freshly built program's first run never
+counts; a call that reused a compiled program (an earlier prompt of the same
+length bucket) is a repetition like any other.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Optional, Sequence
+
+import jspec
+from bench import modes as modes_lib
+
+
+def _median(values: Sequence[float]) -> float:
+  return float(statistics.median(values)) if values else float("nan")
+
+
+def run_mode(bundle: jspec.Bundle, ids: list[int], mode: modes_lib.Mode, max_new_tokens: int,
+             reps: int, stop_at_eos: bool, target_bytes: int,
+             draft_bytes: Optional[int]) -> dict[str, Any]:
+  """Measures one jspec mode on one prompt.
+
+  Args:
+    bundle: the loaded pair.
+    ids: prompt token ids.
+    mode: a jspec mode.
+    max_new_tokens: tokens to generate.
+    reps: timed repetitions (>= 1); figures are their medians.
+    stop_at_eos: end at the tokenizer's EOS tokens (the run's stopping rule).
+    target_bytes: weight bytes one target forward reads (`memory.forward_bytes`).
+    draft_bytes: the same for the draft (None without one).
+
+  Returns:
+    The mode's record for the results JSON: token_ids (of the first timed
+    repetition), reps_identical, new_tokens, medians (tokens_per_s,
+    decode_tokens_per_s, prefill_s, decode_s), per-repetition timings, the
+    engine's counters (rounds, acceptance, histogram, gamma trace),
+    compile_s and warmup_s, and achieved_gbs.
+  """
+  kwargs = dict(max_new_tokens=max_new_tokens, temperature=0.0, stop_at_eos=stop_at_eos,
+                **mode.kwargs)
+  compile_s, warmup_s, warmup_ids = 0.0, None, None
+  runs = []
+  while len(runs) < reps:
+    t0 = time.perf_counter()
+    result = jspec.generate(bundle, ids, **kwargs)
+    wall = time.perf_counter() - t0
+    if result.stats["compile_s"] > 0 and warmup_s is None:
+      compile_s, warmup_s, warmup_ids = result.stats["compile_s"], wall, result.token_ids
+      continue
+    runs.append(result)
+  first, last = runs[0], runs[-1]
+  every_ids = [r.token_ids for r in runs] + ([warmup_ids] if warmup_ids is not None else [])
+  stats = last.stats
+  n_new = len(first.token_ids)
+  prefill = [r.stats["prefill_s"] for r in runs]
+  decode = [r.stats["decode_s"] for r in runs]
+  # Tokens per second over prefill + decode (what a user waits for; compile
+  # excluded), and over the decode loop alone, where the first token (emitted
+  # by the prefill) does not count.
+  tps = [r.stats["tokens_per_s"] for r in runs]
+  dtps = [(len(r.token_ids) - 1) / r.stats["decode_s"] for r in runs if r.stats["decode_s"] > 0]
+  record = {
+      "engine": "jspec",
+      "token_ids": list(first.token_ids),
+      "reps_identical": all(i == first.token_ids for i in every_ids),  # warm-up included
+      "new_tokens": n_new,
+      "tokens_per_s": _median(tps),
+      "decode_tokens_per_s": _median(dtps),
+      "prefill_s": _median(prefill),
+      "decode_s": _median(decode),
+      "reps": [{"prefill_s": r.stats["prefill_s"], "decode_s": r.stats["decode_s"],
+                "tokens_per_s": r.stats["tokens_per_s"]} for r in runs],
+      "compile_s": compile_s,
+      "warmup_s": warmup_s,
+      "rounds": stats["rounds"],
+      "drafted": stats["drafted"],
+      "accepted": stats["accepted"],
+      "acceptance_rate": stats["acceptance_rate"],
+      "mean_tokens_per_round": stats["mean_tokens_per_round"],
+      "accepted_histogram": list(stats["accepted_histogram"]),
+      "gamma_trace": list(stats["gamma_trace"]),
+  }
+  # One round's cost: what a speculative round of this gamma costs on these
+  # shapes whatever the weights (see bench.derive).
+  record["round_s"] = record["decode_s"] / stats["rounds"] if stats["rounds"] else float("nan")
+  record["bytes_read_decode"] = decode_bytes(mode, stats, target_bytes, draft_bytes)
+  record["achieved_gbs"] = (record["bytes_read_decode"] / record["decode_s"] / 1e9
+                            if record["decode_s"] > 0 else float("nan"))
+  return record
+
+
+def decode_bytes(mode: modes_lib.Mode, stats: dict[str, Any], target_bytes: int,
+                 draft_bytes: Optional[int]) -> int:
+  """Weight bytes the decode loop read: per round one target forward, plus the draft's steps.
+
+  Per round the target runs one forward (a single token for target-only, the
+  gamma + 1 verify positions otherwise: its weights are read once either way)
+  and the draft model runs one forward per draft it proposed. The drafted
+  count is exact for fixed gamma and the heuristic policy, and a lower bound
+  for the confidence policy (the step whose confidence stops a row was run
+  too). The prefill is not counted: decode_s does not include it.
+
+  Args:
+    mode: the mode.
+    stats: `Result.stats` of one call.
+    target_bytes: weight bytes of one target forward.
+    draft_bytes: weight bytes of one draft forward (None without a draft).
+
+  Returns:
+    Bytes.
+  """
+  total = stats["rounds"] * target_bytes
+  if mode.uses_draft and draft_bytes:
+    total += stats["drafted"] * draft_bytes
+  return int(total)

@@ -1,0 +1,125 @@
+"""The settings a run measures: jspec modes (each a `jspec.generate` call) and the HF peers.
+
+Mode names are the keys of the results JSON:
+  target            jspec, the target alone (the baseline every ratio and the
+                    correctness gate refer to)
+  spec_g<G>         jspec, draft model, fixed gamma G
+  heuristic         jspec, draft model, gamma +2 after a fully accepted round, -1 otherwise
+  confidence        jspec, draft model, drafting stops when the draft's top
+                    probability falls below --min-confidence
+  prompt_lookup     jspec, drafts copied from earlier n-grams (no draft model)
+  hf_target         HF transformers `generate`, the target alone
+  hf_assisted       HF transformers `generate` with `assistant_model=` the draft
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+HF_MODES = ("hf_target", "hf_assisted")
+GROUPS = {
+    "spec": "every spec_g<G> of --gammas",
+    "adaptive": "heuristic and confidence",
+    "lookup": "prompt_lookup",
+    "hf": "hf_target and hf_assisted",
+    "jspec": "every jspec mode",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+  """One measured setting.
+
+  Attributes:
+    name: key in the results (see the module docstring).
+    engine: "jspec" or "hf".
+    group: "target", "spec", "adaptive", "lookup" or "hf".
+    kwargs: keyword arguments of `jspec.generate` (jspec modes only).
+    gamma: the fixed gamma of a spec_g<G> mode, else None.
+  """
+
+  name: str
+  engine: str
+  group: str
+  kwargs: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+  gamma: Optional[int] = None
+
+  @property
+  def uses_draft(self) -> bool:
+    """Whether the draft model runs (its weight reads count in GB/s)."""
+    return self.engine == "jspec" and self.kwargs.get("method") == "model"
+
+
+def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: float,
+              lookup_gamma: int, ngram: int, draft_vocab: Optional[int] = None) -> list[Mode]:
+  """Every mode a default run measures, in report order.
+
+  Args:
+    gammas: fixed gammas for the spec_g<G> modes.
+    adaptive_gamma_max: static gamma bound of the adaptive policies.
+    min_confidence: threshold of the "confidence" policy.
+    lookup_gamma: drafts per round of prompt lookup.
+    ngram: n-gram length of prompt lookup.
+    draft_vocab: cut the draft's output head to this many ids in every
+      draft-model mode (None: the full head).
+
+  Returns:
+    The modes.
+  """
+  draft = {"method": "model"}
+  if draft_vocab is not None:
+    draft["draft_vocab"] = draft_vocab
+  modes = [Mode("target", "jspec", "target", {"method": "target"})]
+  for g in gammas:
+    modes.append(Mode(f"spec_g{g}", "jspec", "spec",
+                      {**draft, "gamma": g, "policy": "fixed"}, gamma=g))
+  g_max = adaptive_gamma_max
+  modes.append(Mode("heuristic", "jspec", "adaptive",
+                    {**draft, "gamma": min(4, g_max), "gamma_max": g_max,
+                     "policy": "heuristic"}))
+  # gamma = gamma_max: the confidence policy drafts while the row wants more
+  # (gamma) and stays confident, so a smaller gamma would cap it below G.
+  modes.append(Mode("confidence", "jspec", "adaptive",
+                    {**draft, "gamma": g_max, "gamma_max": g_max,
+                     "policy": "confidence", "min_confidence": min_confidence}))
+  modes.append(Mode("prompt_lookup", "jspec", "lookup",
+                    {"method": "prompt_lookup", "gamma": lookup_gamma, "ngram": ngram,
+                     "policy": "fixed"}))
+  modes.append(Mode("hf_target", "hf", "hf"))
+  modes.append(Mode("hf_assisted", "hf", "hf"))
+  return modes
+
+
+def select(modes: Sequence[Mode], spec: Optional[str], hf: bool = True) -> list[Mode]:
+  """Picks modes by a `--modes` value; "target" is always kept (the baseline).
+
+  Args:
+    modes: from `all_modes`.
+    spec: None (all) or comma-separated mode names and group names (see GROUPS).
+    hf: False drops the HF peers (`--no-hf`).
+
+  Returns:
+    The chosen modes, in report order.
+
+  Raises:
+    ValueError: an unknown name (the message lists the known names).
+  """
+  chosen = list(modes)
+  if spec:
+    wanted = {w.strip() for w in spec.split(",") if w.strip()}
+    names = {m.name for m in modes}
+    unknown = sorted(wanted - names - set(GROUPS))
+    if unknown:
+      raise ValueError(f"unknown modes {unknown}; known: {sorted(names)} and groups "
+                       f"{sorted(GROUPS)}")
+    chosen = [m for m in modes if m.name == "target" or m.name in wanted or m.group in wanted
+              or ("jspec" in wanted and m.engine == "jspec")]
+  if not hf:
+    chosen = [m for m in chosen if m.engine != "hf"]
+  return chosen
+
+
+def describe(mode: Mode) -> dict[str, Any]:
+  """The settings of a mode as recorded in the results JSON."""
+  return {"engine": mode.engine, "group": mode.group, "gamma": mode.gamma, **mode.kwargs}

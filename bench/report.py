@@ -1,0 +1,142 @@
+"""The tables a run prints: suite medians per mode, a prompt x mode matrix, the verdicts."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from bench import results
+
+_SHORT = {"target": "target", "heuristic": "heur", "confidence": "conf",
+          "prompt_lookup": "lookup", "hf_target": "hf", "hf_assisted": "hf+asst"}
+
+
+def short(mode: str) -> str:
+  """A column header for a mode name."""
+  return _SHORT.get(mode, mode.replace("spec_", ""))
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+  return "-" if value is None else format(value, spec)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+  widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+  line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(r, widths)))
+  return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def summary_table(doc: dict[str, Any]) -> str:
+  """Medians over the suite, one row per mode.
+
+  Args:
+    doc: a finalized results document.
+
+  Returns:
+    The table as text; derived rows end in "*".
+  """
+  header = ["mode", "n", "tok/s", "dec tok/s", "x target", "x hf", "x hf+asst", "accept",
+            "tok/round", "GB/s", "roofline", "compile s"]
+  rows = []
+  for mode, r in doc.get("summary", {}).items():
+    rows.append([mode + ("*" if r.get("derived") else ""), str(r["prompts"]),
+                 _fmt(r["tokens_per_s"], ".2f"), _fmt(r["decode_tokens_per_s"], ".2f"),
+                 _fmt(r["speedup_vs_target"], ".2f"), _fmt(r["speedup_vs_hf_target"], ".2f"),
+                 _fmt(r["speedup_vs_hf_assisted"], ".2f"), _fmt(r["acceptance_rate"], ".2f"),
+                 _fmt(r["mean_tokens_per_round"], ".2f"), _fmt(r["achieved_gbs"], ".1f"),
+                 _fmt(r["roofline_fraction"], ".0%"), _fmt(r.get("compile_s"), ".1f")])
+  return _table(header, rows)
+
+
+def prompt_table(doc: dict[str, Any], mode_order: list[str]) -> str:
+  """One row per prompt: the target's tokens/s, then every other mode's speedup over it.
+
+  Args:
+    doc: a finalized results document.
+    mode_order: modes in column order.
+
+  Returns:
+    The table as text.
+  """
+  shown = [m for m in mode_order if m != "target"]
+  header = ["prompt", "kind", "tok", "target tok/s"] + [f"x {short(m)}" for m in shown]
+  rows = []
+  for name, entry in doc["prompts"].items():
+    recs = entry.get("modes", {})
+    base = recs.get("target", {})
+    row = [name, entry["kind"], str(base.get("new_tokens", "-")),
+           _fmt(base.get("tokens_per_s"), ".2f")]
+    for m in shown:
+      rec = recs.get(m)
+      row.append("-" if rec is None else
+                 _fmt(results.value(rec, "speedup_vs_target"), ".2f")
+                 + ("*" if rec and "derived" in rec else ""))
+    rows.append(row)
+  return _table(header, rows)
+
+
+def verdicts(doc: dict[str, Any]) -> str:
+  """The correctness gate, HF agreement, memory and bandwidth, and the issue's targets."""
+  lines = []
+  gate = doc.get("gate", {})
+  if gate.get("passed"):
+    lines.append(f"CORRECTNESS: PASS - every jspec mode's greedy ids equal jspec target-only's "
+                 f"({gate.get('checked', 0)} records checked)")
+  else:
+    lines.append(f"CORRECTNESS: FAIL - {len(gate.get('mismatches', []))} mismatch(es):")
+    for m in gate.get("mismatches", []):
+      lines.append(f"  {m['prompt']} / {m['mode']}: {m['reason']}"
+                   + (f" at new token {m['first_diff']} (expected {m.get('expected')}, "
+                      f"got {m.get('got')})" if m.get("first_diff") is not None else ""))
+  agree = doc.get("hf_agreement", {})
+  if agree:
+    parts = [f"{p}: {v['hf_target']['agree_len']}/{v['hf_target']['length']}"
+             for p, v in agree.items() if "hf_target" in v]
+    equal = sum(1 for v in agree.values() if v.get("hf_target", {}).get("equal"))
+    lines.append(f"HF target-only ids equal jspec target-only's on {equal}/{len(parts)} prompts "
+                 f"(informative; tokens in agreement: {', '.join(parts)})")
+  bw = doc.get("bandwidth") or {}
+  if bw.get("gbs"):
+    lines.append(f"memory bandwidth: {bw['gbs']:.1f} GB/s, the best of numpy sum "
+                 f"{bw.get('numpy_gbs', 0):.1f}, XLA sum {bw.get('jax_sum_gbs', 0):.1f}, "
+                 f"XLA matvec {bw.get('jax_matvec_gbs', 0):.1f} (the roofline uses the best)")
+  mem = doc.get("memory", {})
+  if mem.get("peak_rss_bytes"):
+    ratio = mem.get("peak_rss_over_param_bytes")
+    lines.append(f"peak RSS (jspec process): {mem['peak_rss_bytes'] / 2**30:.2f} GiB"
+                 + (f" = {ratio:.2f}x both models' parameter bytes" if ratio else ""))
+  hf = doc.get("hf", {})
+  if hf.get("peak_rss_bytes"):
+    lines.append(f"peak RSS (HF child): {hf['peak_rss_bytes'] / 2**30:.2f} GiB")
+  if doc.get("derived"):
+    lines.append(f"* derived: speculative tokens/s from random-weight round costs and the real "
+                 f"pair's histograms in {doc['derived']['source']} (see bench/derive.py)")
+  tg = doc.get("targets", {})
+  if tg:
+    lines.append("issue 6 targets (informative):")
+    for name, t in tg.items():
+      if isinstance(t, dict):
+        state = {True: "met", False: "NOT met", None: "n/a"}[t["met"]]
+        lines.append(f"  {name}: {_fmt(t['value'], '.3g')} (goal {t['goal']}) {state}")
+      else:
+        lines.append(f"  {name}: {t}")
+  return "\n".join(lines)
+
+
+def render(doc: dict[str, Any], mode_order: list[str]) -> str:
+  """Everything printed at the end of a run.
+
+  Args:
+    doc: a finalized results document.
+    mode_order: modes in report order.
+
+  Returns:
+    The text.
+  """
+  s = doc["settings"]
+  head = (f"jspec bench: {len(doc['prompts'])} prompts, {s['max_new_tokens']} new tokens, "
+          f"median of {s['reps']} reps, {s['dtype']}, "
+          f"{'random weights' if s.get('random_weights') else 'smoke models' if s.get('smoke') else s.get('model') or 'custom pair'}")
+  return "\n\n".join([head, "Suite medians (ratios taken per prompt, then the median):",
+                      summary_table(doc), "Per prompt (x = speedup over jspec target-only):",
+                      prompt_table(doc, mode_order), verdicts(doc)])

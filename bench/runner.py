@@ -1,0 +1,307 @@
+"""The whole run: bandwidth, the jspec phase, the HF phase, the verdicts, JSON, tables, plots.
+
+Order and memory: the jspec process loads the pair and measures every jspec
+mode on every prompt, writing the JSON after each record; then it releases
+the weights and the HF peers run in a child process, whose records are
+merged as they arrive. A run that dies leaves a usable JSON; `--resume`
+continues it, measuring only the records it lacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import pathlib
+import random
+import sys
+import time
+from typing import Any, Optional
+
+from bench import derive
+from bench import engine
+from bench import machine
+from bench import memory
+from bench import models
+from bench import modes as modes_lib
+from bench import peers
+from bench import plots
+from bench import prompts as prompts_lib
+from bench import report
+from bench import results
+
+
+class UsageError(ValueError):
+  """The options ask for something that does not exist (a prompt, a mode) or cannot be resumed."""
+
+
+def _log(msg: str) -> None:
+  print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+
+def _prompt_list(opts: argparse.Namespace) -> list[prompts_lib.Prompt]:
+  if opts.suite == "humaneval":
+    pool = prompts_lib.humaneval(opts.limit)
+  else:
+    pool = list(prompts_lib.SUITE)
+    if opts.limit:
+      pool = pool[:opts.limit]
+  if opts.smoke and not opts.prompts:
+    # One prompt of each kind keeps the smoke run to seconds.
+    pool = [next(p for p in pool if p.kind == k) for k in prompts_lib.KINDS
+            if any(p.kind == k for p in pool)]
+  return prompts_lib.select(pool, opts.prompts)
+
+
+def _settings(opts, chosen, prompt_list) -> dict[str, Any]:
+  return {
+      "model": None if (opts.target or opts.smoke) else opts.model,
+      "target": opts.target, "draft": opts.draft,
+      "suite": opts.suite, "limit": opts.limit,
+      "prompts": [p.name for p in prompt_list],
+      "modes": [m.name for m in chosen],
+      "mode_args": {m.name: modes_lib.describe(m) for m in chosen},
+      "gammas": opts.gammas, "max_new_tokens": opts.max_new_tokens, "reps": opts.reps,
+      "dtype": opts.dtype, "device": opts.device, "stop_at_eos": opts.stop_at_eos,
+      "stopping_rule": ("EOS on both sides (jspec stop_at_eos=True, HF eos_token_id = the same "
+                        "ids)" if opts.stop_at_eos else
+                        "EOS disabled on both sides (jspec stop_at_eos=False, HF "
+                        "eos_token_id=None): every generation is max_new_tokens long"),
+      "random_weights": opts.random_weights, "smoke": opts.smoke,
+      "histograms": opts.histograms, "hf": not opts.no_hf,
+      "allow_mismatch": opts.allow_mismatch,
+  }
+
+
+def _random_ids(prompt: prompts_lib.Prompt, vocab: int) -> list[int]:
+  """Stand-in ids for a prompt without a tokenizer: about one token per 3.5 characters."""
+  rng = random.Random(prompt.name)
+  return [rng.randrange(1000, min(vocab, 100_000)) for _ in range(max(1, len(prompt.text) * 2 // 7))]
+
+
+def _prompt_ids(prompt, loaded: models.Loaded, hist_doc: Optional[dict]) -> tuple[list[int], str]:
+  """The ids a prompt is run with, and where they came from."""
+  tok = loaded.bundle.tokenizer
+  if tok is not None:
+    return prompts_lib.encode(prompt, tok), "tokenizer"
+  if hist_doc and prompt.name in hist_doc.get("prompts", {}):
+    # The real run's ids: the same lengths, so the same costs.
+    return list(hist_doc["prompts"][prompt.name]["prompt_ids"]), "histograms file"
+  if loaded.bundle.target.cfg.vocab_size <= 512:
+    return prompts_lib.encode(prompt, None), "bytes"
+  return _random_ids(prompt, loaded.bundle.target.cfg.vocab_size), "random (length ~ text/3.5)"
+
+
+def _mode_order(doc: dict[str, Any], chosen: list[modes_lib.Mode]) -> list[str]:
+  order = [m.name for m in chosen]
+  for entry in doc["prompts"].values():
+    for m in entry.get("modes", {}):
+      if m not in order:
+        order.append(m)
+  return order
+
+
+def _progress(where: str, name: str, mode: str, rec: dict[str, Any], base: Optional[dict]):
+  speed = ""
+  if base and base.get("tokens_per_s") and rec.get("tokens_per_s"):
+    speed = f" x{rec['tokens_per_s'] / base['tokens_per_s']:.2f}"
+  extra = ""
+  if rec.get("acceptance_rate") is not None and rec.get("drafted"):
+    extra = f" accept {rec['acceptance_rate']:.2f} tok/round {rec['mean_tokens_per_round']:.2f}"
+  compile_s = f" compile {rec['compile_s']:.1f}s" if rec.get("compile_s") else ""
+  _log(f"{where}{name} {mode}: {rec['tokens_per_s']:.2f} tok/s{speed}{extra}{compile_s}")
+
+
+def _draft_bytes(bundle, mode: modes_lib.Mode, full: Optional[int]) -> Optional[int]:
+  """Weight bytes of one draft step in this mode: less when its head is cut to draft_vocab rows."""
+  cut = mode.kwargs.get("draft_vocab")
+  if full is None or cut is None:
+    return full
+  cfg = bundle.draft.cfg
+  itemsize = bundle.draft.params["embed_tokens"]["embedding"].dtype.itemsize
+  return full - (cfg.vocab_size - cut) * cfg.hidden_size * itemsize
+
+
+def _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order) -> bool:
+  """Measures every missing jspec record. Returns False if the gate stopped the run."""
+  jmodes = [m for m in chosen if m.engine == "jspec"]
+  need = any(not results.has(doc, p.name, m.name) for p in prompt_list for m in jmodes)
+  need = need or any(p.name not in doc["prompts"] for p in prompt_list)
+  if not need:
+    _log("every jspec record is already in the results; skipping the jspec phase")
+    return True
+  _log("loading models")
+  loaded = models.load(opts.model, opts.target, opts.draft, opts.dtype, opts.random_weights,
+                       opts.smoke)
+  # The ids jspec stops at under --stop-at-eos (as `jspec.generate` picks
+  # them), so that the HF peers stop at the same ones.
+  eos = (getattr(loaded.bundle.tokenizer, "eos_token_ids", ())
+         or loaded.bundle.target.cfg.eos_token_ids)
+  doc["models"] = {**loaded.info, "hf_source": loaded.hf_source,
+                   "hf_skip_reason": loaded.hf_skip_reason, "eos_token_ids": list(eos)}
+  _log(f"loaded in {loaded.info['load_s']:.1f}s ({loaded.info['source']})")
+  bundle = loaded.bundle
+  t_bytes = loaded.info["target"]["forward_bytes"]
+  d_bytes = loaded.info["draft"]["forward_bytes"] if bundle.draft is not None else None
+  for p in prompt_list:
+    if p.name not in doc["prompts"]:
+      ids, origin = _prompt_ids(p, loaded, hist_doc)
+      doc["prompts"][p.name] = {"kind": p.kind, "chat": p.chat, "text": p.text,
+                                "prompt_ids": ids, "prompt_ids_from": origin,
+                                "prompt_tokens": len(ids), "modes": {}}
+  results.write(doc, out)
+  total = len(prompt_list) * len(jmodes)
+  done = 0
+  for p in prompt_list:
+    entry = doc["prompts"][p.name]
+    for m in jmodes:
+      done += 1
+      if results.has(doc, p.name, m.name):
+        continue
+      rec = engine.run_mode(bundle, entry["prompt_ids"], m, opts.max_new_tokens, opts.reps,
+                            opts.stop_at_eos, t_bytes, _draft_bytes(bundle, m, d_bytes))
+      if m.name == "target" and bundle.tokenizer is not None:
+        entry["target_text"] = bundle.tokenizer.decode(rec["token_ids"])
+      results.put(doc, p.name, m.name, rec)
+      _progress(f"[{done}/{total}] ", p.name, m.name, rec, entry["modes"].get("target"))
+      results.finalize(doc, order)
+      results.write(doc, out)
+    if not doc["gate"]["passed"] and not opts.allow_mismatch:
+      _log(f"greedy ids differ from jspec target-only on {p.name}; stopping "
+           "(--allow-mismatch finishes the run)")
+      break
+  peak = memory.peak_rss_bytes()
+  both = loaded.info["target"]["param_bytes"] + loaded.info["draft"]["param_bytes"]
+  doc["memory"] = {"peak_rss_bytes": peak, "param_bytes_both": both,
+                   "peak_rss_over_param_bytes": peak / both if both else None,
+                   "device_peak_bytes": memory.device_peak_bytes(),
+                   "note": "peak RSS of the jspec process over the whole run (loading, "
+                           "compiling, decoding); the HF peers run in a child process"}
+  del loaded, bundle
+  gc.collect()
+  memory.release_freed()
+  # What the jspec process still holds while the HF child runs beside it.
+  doc["memory"]["rss_after_release_bytes"] = memory.rss_bytes()
+  return doc["gate"]["passed"] or opts.allow_mismatch
+
+
+def _hf_phase(opts, doc, out, chosen, prompt_list, order) -> None:
+  """Runs the HF peers in a child for every prompt that lacks one of their records."""
+  hmodes = [m.name for m in chosen if m.engine == "hf"]
+  if opts.random_weights:
+    hmodes = [m for m in hmodes if m == "hf_target"]  # acceptance ~0: assisted says nothing
+  todo = [p for p in prompt_list if p.name in doc["prompts"]
+          and any(not results.has(doc, p.name, m) for m in hmodes)]
+  if not hmodes or not todo:
+    return
+  source = doc["models"].get("hf_source")
+  reason = doc["models"].get("hf_skip_reason")
+  if source is None:
+    _log(f"skipping the HF peers: {reason}")
+    doc["hf"] = {"skipped": reason}
+    return
+  device = "cuda" if opts.device == "gpu" or (opts.device == "auto" and _on_gpu()) else "cpu"
+  eos = (doc["models"].get("eos_token_ids") or None) if opts.stop_at_eos else None
+  job = peers.job(source, [{"name": p.name, "ids": doc["prompts"][p.name]["prompt_ids"]}
+                           for p in todo], hmodes, opts.max_new_tokens, opts.reps, opts.dtype,
+                  device, eos)
+  _log(f"HF peers ({', '.join(hmodes)}) on {len(todo)} prompts, in a child process")
+  hf = doc.setdefault("hf", {})
+  try:
+    for msg in peers.run(job, out.parent):
+      if msg["type"] == "load":
+        hf.update({k: v for k, v in msg.items() if k != "type"})
+        _log(f"HF models loaded ({msg['target_load_s']:.0f}s + {msg['draft_load_s'] or 0:.0f}s)")
+      elif msg["type"] == "record":
+        results.put(doc, msg["prompt"], msg["mode"], msg["record"])
+        base = doc["prompts"][msg["prompt"]]["modes"].get("target")
+        _progress("[HF] ", msg["prompt"], msg["mode"], msg["record"], base)
+        results.finalize(doc, order)
+        results.write(doc, out)
+      elif msg["type"] == "done":
+        hf.update({k: v for k, v in msg.items() if k != "type"})
+  except RuntimeError as e:  # the peers failed (no CUDA torch, out of memory): keep jspec's figures
+    _log(f"the HF peers failed: {e}; their traceback is above")
+    hf["error"] = str(e)
+
+
+def _compilation_cache_dir() -> Optional[str]:
+  """JAX's persistent compilation cache, if on: with a warm one, compile_s is a cache load."""
+  import jax  # pylint: disable=import-outside-toplevel
+  return jax.config.jax_compilation_cache_dir or None
+
+
+def _on_gpu() -> bool:
+  import jax  # pylint: disable=import-outside-toplevel
+  return jax.default_backend() == "gpu"
+
+
+def run(opts: argparse.Namespace, argv: Optional[list[str]] = None) -> int:
+  """Runs a benchmark as the options say.
+
+  Args:
+    opts: parsed options (see `bench.__main__`).
+    argv: the command line (recorded in the JSON).
+
+  Returns:
+    The exit status: 0, or 1 if the correctness gate failed.
+  """
+  start = time.perf_counter()
+  all_modes = modes_lib.all_modes(opts.gammas, opts.adaptive_gamma_max, opts.min_confidence,
+                                  opts.lookup_gamma, opts.ngram, opts.draft_vocab)
+  try:
+    chosen = modes_lib.select(all_modes, opts.modes, hf=not opts.no_hf)
+    prompt_list = _prompt_list(opts)
+    settings = _settings(opts, chosen, prompt_list)
+    out = pathlib.Path(opts.out)
+    doc = results.resume(out, settings) if opts.resume else None
+  except (ValueError, FileNotFoundError) as e:
+    raise UsageError(str(e)) from None
+  if doc is None:
+    doc = results.new(settings)
+  doc["command"] = machine.command(argv)
+  doc["git"] = machine.git()
+  doc["machine"] = machine.describe()
+  doc.setdefault("runs", []).append({"command": doc["command"], "commit": doc["git"]["commit"],
+                                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+  hist_doc = results.load(opts.histograms) if opts.histograms else None
+  phases = doc["runs"][-1]["phases_s"] = {}
+  clock = time.perf_counter()
+
+  def lap(name):
+    nonlocal clock
+    now = time.perf_counter()
+    phases[name] = now - clock
+    clock = now
+
+  if not doc.get("bandwidth"):
+    _log("measuring memory bandwidth")
+    platform = {"cpu": "cpu", "gpu": "cuda"}.get(opts.device)
+    doc["bandwidth"] = memory.bandwidth(opts.bandwidth_bytes, 5, platform)
+  results.write(doc, out)
+  lap("bandwidth")
+
+  order = _mode_order(doc, chosen)
+  ok = _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order)
+  lap("jspec")
+  if ok:
+    _hf_phase(opts, doc, out, chosen, prompt_list, order)
+  lap("hf")
+  if hist_doc is not None:
+    derive.apply(doc, hist_doc, str(opts.histograms))
+  order = _mode_order(doc, chosen)
+  results.finalize(doc, order)
+  doc["status"] = "complete" if ok else "stopped"
+  doc["runs"][-1]["compilation_cache_dir"] = _compilation_cache_dir()
+  doc["plots"] = plots.write_all(doc, out, order)
+  lap("plots")
+  doc["runs"][-1]["wall_s"] = time.perf_counter() - start
+  results.write(doc, out)
+  print(report.render(doc, order))
+  print(f"\nwall time {doc['runs'][-1]['wall_s']:.0f}s ("
+        + ", ".join(f"{k} {v:.0f}s" for k, v in phases.items()) + ")")
+  print(f"results: {out}  plots: {', '.join(doc['plots'])}")
+  if not doc["gate"]["passed"]:
+    print(f"FAILED: {len(doc['gate']['mismatches'])} greedy mismatch(es); see above and "
+          f"gate.mismatches in {out}", file=sys.stderr)
+    return 1
+  return 0

