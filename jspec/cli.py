@@ -289,7 +289,7 @@ def _bench(argv: Sequence[str]) -> int:
                        "installed with pip install -e \".[bench]\")") from None
     raise UsageError(f"jspec bench needs the module {e.name!r}: pip install -e \".[bench]\"") \
         from None
-  return int(module.main(list(argv)) or 0)
+  return int(module.main(list(argv), prog="jspec bench") or 0)
 
 
 def _run(argv: list[str]) -> int:

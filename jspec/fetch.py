@@ -269,8 +269,12 @@ def _cached_ok(path, source, progress):
     return True
 
 
-class _Lock:
-    """Exclusive lock on ``<final>.lock`` so two processes do not assemble at once."""
+class FileLock:
+    """Exclusive lock on ``<path>.lock``: one process builds a cache file, others wait.
+
+    Args:
+      path: the file being built (the lock file sits beside it).
+    """
 
     def __init__(self, path):
         self.path = path.with_name(path.name + ".lock")
@@ -357,7 +361,7 @@ def assemble(name_or_source, cache=None, progress=True):
     # Fast path without the lock: a stamped, unchanged file needs no hashing.
     if final.exists() and _stamp_valid(final, source):
         return final
-    with _Lock(final):
+    with FileLock(final):
         # Re-check under the lock: another process may have just finished.
         if final.exists():
             if _cached_ok(final, source, progress):

@@ -33,11 +33,6 @@ from jspec import api
 from jspec import fetch
 from jspec import tokenizer as tokenizer_lib
 
-try:  # POSIX only; without it concurrent conversions are simply not serialized.
-  import fcntl
-except ImportError:  # pragma: no cover - Windows
-  fcntl = None
-
 DEFAULT_PAIR = "qwen2.5-coder"
 
 PathLike = Union[str, os.PathLike]
@@ -93,26 +88,6 @@ def _write_stamp(out: pathlib.Path, sha256: str, dtype: str) -> None:
   os.replace(tmp, _stamp_path(out))
 
 
-class _Lock:
-  """Exclusive lock on `<out>.lock`: one process converts, the others wait and reuse."""
-
-  def __init__(self, out: pathlib.Path):
-    self.path = out.with_name(out.name + ".lock")
-    self.fd = None
-
-  def __enter__(self):
-    if fcntl is not None:
-      self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-      fcntl.flock(self.fd, fcntl.LOCK_EX)
-    return self
-
-  def __exit__(self, *exc):
-    if self.fd is not None:
-      fcntl.flock(self.fd, fcntl.LOCK_UN)
-      os.close(self.fd)
-      self.fd = None
-
-
 def _discard(out: pathlib.Path) -> None:
   """Removes a converted file, its stamp and temporaries of killed conversions."""
   out.unlink(missing_ok=True)
@@ -148,7 +123,7 @@ def _convert_cached(gguf_path: pathlib.Path, sha256: str, dtype: str,
   out = converted_path(gguf_path, dtype)
   if _stamp_ok(out, sha256, dtype):
     return out
-  with _Lock(out):
+  with fetch.FileLock(out):
     # Another process may have finished while this one waited for the lock.
     if _stamp_ok(out, sha256, dtype) or _adoptable(out, gguf_path):
       return out
@@ -169,7 +144,7 @@ def _load_cached(gguf_path: pathlib.Path, sha256: str, dtype: str, progress: boo
   except keys.ConvertError as e:
     message = " ".join(str(e).split())
     print(f"jspec: converted cache {out} is unusable ({message}); rebuilding", file=sys.stderr)
-    with _Lock(out):
+    with fetch.FileLock(out):
       _discard(out)
     out = _convert_cached(gguf_path, sha256, dtype, progress)
     return _model(out, dtype)

@@ -354,8 +354,9 @@ def test_convert_delegates(capsys, pair, tmp_path):
 def test_bench_forwards_or_explains(capsys, monkeypatch):
   seen = []
   monkeypatch.setitem(sys.modules, "bench.__main__",
-                      types.SimpleNamespace(main=lambda argv: seen.append(argv) or 3))
-  assert cli.main(["bench", "--quick", "x"]) == 3 and seen == [["--quick", "x"]]
+                      types.SimpleNamespace(main=lambda argv, prog: seen.append((argv, prog)) or 3))
+  assert cli.main(["bench", "--quick", "x"]) == 3
+  assert seen == [(["--quick", "x"], "jspec bench")]
   monkeypatch.setitem(sys.modules, "bench.__main__", None)  # not importable
   code, _, err = _run(capsys, ["bench"])
   assert code == 2 and err.count("\n") == 1 and "bench" in err
