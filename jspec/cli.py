@@ -91,12 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="P", help="nucleus mass in (0, 1]; 1 is off (default: 1)")
   gen.add_argument("--top-k", type=_number(int, 0), default=0, metavar="K",
                    help="keep the K most likely tokens; 0 is off (default: 0)")
-  gen.add_argument("--gamma", type=_number(int, 1), default=4, metavar="G",
-                   help="draft tokens per round (the start for adaptive policies; default: 4)")
+  gen.add_argument("--gamma", type=_number(int, 1), default=None, metavar="G",
+                   help="draft tokens per round: fixed value, heuristic start, confidence cap "
+                        "(default: 4, 4, 8 by policy)")
   gen.add_argument("--gamma-max", type=_number(int, 1), default=None, metavar="G",
                    help="upper bound on gamma (default: gamma, or 8 for adaptive policies)")
-  gen.add_argument("--policy", choices=POLICIES, default="fixed",
-                   help="how gamma changes: fixed, heuristic (+2/-1), confidence (default: fixed)")
+  gen.add_argument("--policy", choices=POLICIES, default=api.DEFAULT_POLICY,
+                   help="how gamma changes: fixed, heuristic (+2/-1), confidence "
+                        f"(default: {api.DEFAULT_POLICY})")
   gen.add_argument("--min-confidence", type=_number(float, 0.0, 1.0), default=0.5, metavar="C",
                    help="the confidence policy's threshold (default: 0.5)")
   gen.add_argument("--seed", type=_number(int, 0, 2**32 - 1), default=0,
@@ -169,7 +171,7 @@ def _load(args) -> tuple[Any, str, Optional[str]]:
     raise UsageError(f"--draft model needs a draft model: pass --draft-model PATH with "
                      f"{'--target' if args.target else '--model'} {target}, or use "
                      "--draft prompt_lookup or --draft none")
-  if args.gamma_max is not None and args.gamma > args.gamma_max:
+  if args.gamma_max is not None and args.gamma is not None and args.gamma > args.gamma_max:
     raise UsageError(f"--gamma {args.gamma} exceeds --gamma-max {args.gamma_max}")
   # Progress bars only on a terminal: in a log they are noise around the one-line errors.
   bundle = loading.load(target, draft, dtype=args.dtype, progress=sys.stderr.isatty(),

@@ -156,7 +156,7 @@ def test_defaults_and_paths_reach_load(recorder, capsys, pair):
   assert cli.main(["generate", "hi"]) == 0
   assert recorder.loads[-1][:2] == fetch.PAIRS[loading.DEFAULT_PAIR]
   assert recorder.calls[-1][2] == dict(max_new_tokens=128, temperature=0.0, top_p=1.0, top_k=0,
-                                       gamma=4, gamma_max=None, policy="fixed",
+                                       gamma=None, gamma_max=None, policy=api.DEFAULT_POLICY,
                                        min_confidence=0.5, seed=0, method="model", ngram=3,
                                        draft_vocab=None)
   assert cli.main(["generate", "hi", *_paths(pair), "--tokenizer", str(pair[0])]) == 0

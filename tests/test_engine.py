@@ -20,12 +20,13 @@ from jspec import sampling
 # A few fixed engine settings, so hypothesis varies weights, prompts and EOS
 # (all data) without compiling a new program for every example.
 SETTINGS = [
-    dict(method="model", gamma=1),
-    dict(method="model", gamma=3),
+    dict(method="model", gamma=1, policy="fixed"),
+    dict(method="model", gamma=3, policy="fixed"),
     dict(method="model", gamma=2, gamma_max=5, policy="heuristic"),
     dict(method="model", gamma=5, policy="confidence", min_confidence=0.5, gamma_max=5),
-    dict(method="model", gamma=3, draft_vocab=5),
-    dict(method="prompt_lookup", gamma=3, ngram=1),
+    dict(method="model", gamma=3, draft_vocab=5, policy="fixed"),
+    dict(method="model"),  # the defaults
+    dict(method="prompt_lookup", gamma=3, ngram=1, policy="fixed"),
     dict(method="prompt_lookup", gamma=4, ngram=2, policy="heuristic", gamma_max=6),
 ]
 MAX_NEW = 24
@@ -61,7 +62,7 @@ def test_draft_equal_to_target_accepts_everything(gamma):
   bundle = tiny.pair(1)
   bundle = jspec.Bundle(bundle.target, bundle.target)
   n_new = 1 + 5 * (gamma + 1)
-  out = jspec.generate(bundle, [1, 2, 3], max_new_tokens=n_new, gamma=gamma)
+  out = jspec.generate(bundle, [1, 2, 3], max_new_tokens=n_new, gamma=gamma, policy="fixed")
   base = jspec.generate(bundle, [1, 2, 3], max_new_tokens=n_new, method="target")
   assert out.token_ids == base.token_ids
   # Every round accepts all gamma drafts and adds the bonus token.
@@ -78,7 +79,7 @@ def test_eos_inside_an_accepted_block_ends_the_row_there():
   eos = base.token_ids[6]  # inside the second block of gamma 4 + 1
   first = base.token_ids.index(eos)
   bundle = with_eos(bundle, (eos,))
-  out = jspec.generate(bundle, [4, 4, 2], max_new_tokens=20, gamma=4)
+  out = jspec.generate(bundle, [4, 4, 2], max_new_tokens=20, gamma=4, policy="fixed")
   assert out.token_ids == base.token_ids[:first + 1]
   assert jspec.generate(bundle, [4, 4, 2], max_new_tokens=20, stop_at_eos=False).token_ids \
       == base.token_ids
@@ -210,7 +211,7 @@ def test_stream_concatenates_to_generate_and_can_be_abandoned():
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-1), "top_k"),
     (dict(gamma=0), "gamma"),
-    (dict(gamma=3, gamma_max=2), "gamma"),
+    (dict(gamma=3, gamma_max=2, policy="fixed"), "gamma"),
     (dict(method="prompt_lookup", ngram=0), "ngram"),
     (dict(method="bogus"), "method"),
     (dict(policy="bogus"), "policy"),
