@@ -1,0 +1,63 @@
+"""What one forward pass of the real target and draft costs at T new tokens.
+
+    python -m bench.forward_cost [--target-t 1,2,5,9] [--draft-t 1,2] [--reps 8]
+
+Loads the real pair, jits `model.forward` on a cache of 512 slots holding 200
+tokens, and prints the median ms per call for each T: the numbers behind the
+cost of a speculative round (gamma draft steps + one verify of gamma + 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jspec
+from jspec import cache as cache_lib
+from jspec import model
+
+
+def _median_ms(params, cfg, t: int, reps: int) -> float:
+  cache = cache_lib.with_lengths(cache_lib.init(cfg, 1, 512), jnp.array([200], jnp.int32))
+  step = jax.jit(lambda p, x, c: model.forward(p, cfg, x, c))
+  tokens = jnp.ones((1, t), jnp.int32)
+  jax.block_until_ready(step(params, tokens, cache))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(step(params, tokens, cache))
+    times.append(time.perf_counter() - t0)
+  return 1000 * float(np.median(times))
+
+
+def main(argv=None) -> int:
+  """Measures and prints the costs (text, then one JSON line).
+
+  Args:
+    argv: command-line arguments (see module docstring).
+
+  Returns:
+    Exit status 0.
+  """
+  parser = argparse.ArgumentParser(prog="python -m bench.forward_cost", description=__doc__)
+  parser.add_argument("--target-t", default="1,2,5,9")
+  parser.add_argument("--draft-t", default="1,2")
+  parser.add_argument("--reps", type=int, default=8)
+  args = parser.parse_args(argv)
+  bundle = jspec.load("qwen2.5-coder", progress=False)
+  out = {"target": {}, "draft": {}}
+  for name, m, ts in (("target", bundle.target, args.target_t), ("draft", bundle.draft, args.draft_t)):
+    for t in (int(x) for x in ts.split(",")):
+      out[name][t] = _median_ms(m.params, m.cfg, t, args.reps)
+      print(f"{name} T={t}: {out[name][t]:.1f} ms", flush=True)
+  print(json.dumps(out))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
