@@ -293,7 +293,7 @@ def _programs(bundle: Bundle, prep: _Prepared, state_like=None):
           prep.key)
   pre, t_pre = PROGRAMS.get("prefill", decode.prefill, args,
                             {"spec": prep.spec, "width": prep.width})
-  state_shape = jax.eval_shape(lambda: decode.prefill(*args, spec=prep.spec, width=prep.width))
+  state_shape = pre.out_info  # the loop's input is prefill's output: no second trace
   run, t_run = PROGRAMS.get("run", decode.run,
                             (bundle.target.params, dparams, state_shape, jnp.int32(0)),
                             {"spec": prep.spec})
