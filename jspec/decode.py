@@ -54,6 +54,12 @@ class Spec:
       once the draft's top probability is below `min_confidence`.
     min_confidence: threshold of the "confidence" policy.
     ngram: n-gram length for prompt lookup.
+    dynamic_verify: verify only as many positions as the round's longest
+      counted draft needs (rounded up to a width in `verify_widths`) rather
+      than always G + 1. The widths are static shapes, one compiled target
+      forward each, picked by `lax.switch`: a round whose drafts stopped
+      early (confidence policy) or found nothing to copy (prompt lookup)
+      then pays for a narrow verify.
 
   The EOS tokens are data (`State.eos`), not part of the spec, so a new stop
   token does not mean a new compile.
@@ -68,6 +74,7 @@ class Spec:
   policy: str = "fixed"
   min_confidence: float = 0.0
   ngram: int = 3
+  dynamic_verify: bool = True
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -123,6 +130,8 @@ class State:
     accepted: [B] int32 drafts accepted.
     hist: [B, G+1] int32 rounds by number of drafts accepted.
     gamma_trace: [B, R] int32 effective gamma of each round (R = W).
+    draft_behind: [B] bool the draft cache lacks the row's x_{n-2} (it
+      accepted every draft the draft model ran; see `drafters.draft_model`).
   """
 
   target_cache: cache_lib.KVCache
@@ -141,6 +150,7 @@ class State:
   accepted: jax.Array
   hist: jax.Array
   gamma_trace: jax.Array
+  draft_behind: jax.Array
 
 
 def buffer_width(prompt_width: int, max_new: int, gamma_max: int) -> int:
@@ -157,6 +167,63 @@ def buffer_width(prompt_width: int, max_new: int, gamma_max: int) -> int:
     valid entries instead).
   """
   return prompt_width + max_new + gamma_max + 2
+
+
+def verify_widths(spec: Spec) -> tuple[int, ...]:
+  """The static verify widths a round can pick from (ascending; the last is G + 1).
+
+  XLA CPU's matmul costs about 1 : 1.5 : 1.8 : 2.1 target steps at widths
+  1 : 2 : 5 : 9 (README, `python -m bench.forward_cost`), so 1, 2, 3 and
+  2^k + 1 cover the range with a few compiled branches. Width 1 (nothing
+  drafted) only happens with prompt lookup: a draft model always counts its
+  first draft.
+
+  Args:
+    spec: the generation's static settings.
+
+  Returns:
+    Widths T, each one target forward over T positions in the compiled round.
+  """
+  full = spec.gamma_max + 1
+  if not spec.dynamic_verify or spec.gamma_max == 0:
+    return (full,)
+  widths = {full, 2, 3} | {2**k + 1 for k in range(2, full.bit_length())}
+  if spec.method == "prompt_lookup":
+    widths.add(1)
+  return tuple(sorted(w for w in widths if w <= full))
+
+
+def _verify(params, spec: Spec, chunk: jax.Array, tcache: cache_lib.KVCache,
+            counted: jax.Array):
+  """The target's logits at every verify position, from the narrowest forward that covers them.
+
+  Args:
+    params: target params.
+    spec: static settings (`verify_widths`).
+    chunk: [B, G+1] int32 [x_{n-1}, d_1 .. d_G] per row.
+    tcache: target cache holding every token but x_{n-1}.
+    counted: [B] int32 drafts that count per row (0 for finished rows).
+
+  Returns:
+    (logits [B, G+1, V], cache). Positions past the chosen width repeat its
+    last row: they lie past every row's counted drafts, so `accept` never
+    uses them, and the cache slots they would have filled are past every
+    row's new length (rolled back anyway).
+  """
+  widths = verify_widths(spec)
+  full = chunk.shape[1]
+  if len(widths) == 1:
+    return model.forward(params, spec.target, chunk, tcache)
+
+  def branch(w: int):
+    def fn(chunk, tcache):
+      logits, tcache = model.forward(params, spec.target, chunk[:, :w], tcache)
+      return jnp.pad(logits, ((0, 0), (0, full - w), (0, 0)), mode="edge"), tcache
+    return fn
+
+  # The first width that holds x_{n-1} and every row's counted drafts.
+  index = jnp.searchsorted(jnp.asarray(widths, jnp.int32), jnp.max(counted) + 1)
+  return jax.lax.switch(index, [branch(w) for w in widths], chunk, tcache)
 
 
 def _is_eos(tokens: jax.Array, eos: jax.Array) -> jax.Array:
@@ -216,7 +283,8 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
       done=_is_eos(first, eos) | (max_new <= 1), eos=eos, key=key,
       rounds=jnp.int32(0), gamma=jnp.full((b,), spec.gamma if g else 0, jnp.int32),
       row_rounds=zeros, drafted=zeros, accepted=zeros,
-      hist=jnp.zeros((b, g + 1), jnp.int32), gamma_trace=jnp.zeros((b, width), jnp.int32))
+      hist=jnp.zeros((b, g + 1), jnp.int32), gamma_trace=jnp.zeros((b, width), jnp.int32),
+      draft_behind=jnp.zeros((b,), bool))  # the draft cache holds the whole prompt
 
 
 def _dtype(params) -> jnp.dtype:
@@ -233,11 +301,13 @@ def _round(target_params, draft_params, state: State, spec: Spec) -> State:
 
   # 1. Draft.
   dcache = state.draft_cache
+  steps = jnp.int32(g + 1)  # draft forwards run; more than any n unless a draft model runs
   if spec.method == "model":
-    drafts, q, gamma_eff, dcache = drafters.draft_model(
+    drafts, q, gamma_eff, steps, dcache = drafters.draft_model(
         draft_params.params, spec.draft, dcache, state.tokens, state.seq_len, state.gamma,
         draft_key, spec.sampling, g, vocab,
-        spec.min_confidence if spec.policy == "confidence" else 0.0, draft_params.head)
+        spec.min_confidence if spec.policy == "confidence" else 0.0, draft_params.head,
+        state.draft_behind & ~state.done)
   elif spec.method == "prompt_lookup":
     drafts, q, gamma_eff = drafters.prompt_lookup(
         state.tokens, state.seq_len, state.gamma, g, spec.ngram, vocab)
@@ -249,8 +319,8 @@ def _round(target_params, draft_params, state: State, spec: Spec) -> State:
   # 2. Verify [x_{n-1}, d_1 .. d_G] in one target forward.
   # The target cache already holds every token but the last (step 5).
   last = jnp.take_along_axis(state.tokens, (state.seq_len - 1)[:, None], axis=1)  # [B, 1]
-  logits, tcache = model.forward(target_params, spec.target,
-                                 jnp.concatenate([last, drafts], axis=1), state.target_cache)
+  logits, tcache = _verify(target_params, spec, jnp.concatenate([last, drafts], axis=1),
+                           state.target_cache, jnp.where(state.done, 0, gamma_eff))
   p = sampling.probs(logits, spec.sampling)  # [B, G+1, V]
 
   # 3. Accept.
@@ -283,7 +353,7 @@ def _round(target_params, draft_params, state: State, spec: Spec) -> State:
       drafted=state.drafted + active * gamma_eff,
       accepted=state.accepted + active * n,
       hist=state.hist + active[:, None] * jax.nn.one_hot(n, g + 1, dtype=jnp.int32),
-      gamma_trace=_trace(state, gamma_eff))
+      gamma_trace=_trace(state, gamma_eff), draft_behind=n >= steps)
 
 
 def _trace(state: State, gamma_eff: jax.Array) -> jax.Array:

@@ -44,17 +44,60 @@ def _draft_probs(logits: jax.Array, s: sampling.Sampling, vocab: int) -> jax.Arr
   return _fit_vocab(sampling.probs(logits, s), vocab)
 
 
+def _first_step(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
+                tokens: jax.Array, seq_len: jax.Array, behind: jax.Array,
+                head: Optional[jax.Array]):
+  """The draft's logits for d_1: feeds x_{n-1}, and x_{n-2} too if some row lacks it.
+
+  After a round in which a row accepted every draft the draft model ran,
+  the draft has not seen its own last draft (now x_{n-2}): those rounds feed
+  [x_{n-2}, x_{n-1}]. Otherwise the draft holds x_{n-2} already and one
+  token does, which is cheaper (a 2-token step costs about 1.4 one-token
+  steps on XLA CPU). Rewriting slot n-2 with the same token changes nothing,
+  so one row's need decides for the whole batch.
+
+  Args:
+    params: draft params.
+    cfg: draft config.
+    dcache: draft KV cache.
+    tokens: [B, W] int32 prompt + output so far.
+    seq_len: [B] int32 valid tokens per row (>= 2).
+    behind: [B] bool rows whose draft cache lacks x_{n-2}.
+    head: optional truncated output table (see `draft_model`).
+
+  Returns:
+    (logits [B, V'] for d_1, draft cache holding every token of each row).
+  """
+  b = tokens.shape[0]
+
+  def catch_up(dcache):
+    dcache = cache_lib.with_lengths(dcache, seq_len - 2)
+    pair = _gather_rows(tokens, seq_len[:, None] + jnp.array([[-2, -1]], jnp.int32))  # [B, 2]
+    logits, dcache = model.forward(params, cfg, pair, dcache,
+                                   logits_at=jnp.ones((b, 1), jnp.int32), head=head)
+    return logits[:, 0], dcache
+
+  def in_step(dcache):
+    dcache = cache_lib.with_lengths(dcache, seq_len - 1)
+    last = _gather_rows(tokens, seq_len[:, None] - 1)  # [B, 1]
+    logits, dcache = model.forward(params, cfg, last, dcache, head=head)
+    return logits[:, 0], dcache
+
+  return jax.lax.cond(jnp.any(behind), catch_up, in_step, dcache)
+
+
 def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
                 tokens: jax.Array, seq_len: jax.Array, gamma: jax.Array, key: jax.Array,
                 s: sampling.Sampling, gamma_max: int, vocab: int,
-                min_confidence: float = 0.0, head: Optional[jax.Array] = None):
+                min_confidence: float = 0.0, head: Optional[jax.Array] = None,
+                behind: Optional[jax.Array] = None):
   """Drafts up to gamma tokens per row with the draft model, sampling each from q.
 
-  The draft cache is rolled back to hold every token but the last two, and
-  the first step feeds those two ([x_{n-2}, x_{n-1}]): after a fully accepted
-  round the draft has not yet seen its own last draft d_gamma, and after a
-  rejection rewriting slot n-2 with the same token changes nothing. One
-  static shape serves both cases.
+  Step 0 brings the draft up to date (`_first_step`) and proposes d_1; step
+  i >= 1 feeds d_i and proposes d_{i+1}. The loop runs while any row wants
+  more drafts, so after `steps` steps the draft cache holds d_1..d_{steps-1}
+  of every row: a row that accepts all `steps` drafts leaves the draft one
+  token behind (`behind` of the next round).
 
   Args:
     params: draft params.
@@ -72,17 +115,17 @@ def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
     head: optional [V', D] truncated output table (the first V' token ids):
       the draft's head is over a quarter of its weight reads per step, and
       a q that is 0 on rare tokens costs only acceptance, never exactness.
+    behind: [B] bool rows whose draft cache lacks x_{n-2} (None: assume all).
 
   Returns:
     (drafts [B, G] int32, q [B, G, vocab] float32, gamma_eff [B] int32,
-    draft cache).
+    steps [] int32 draft forwards run, draft cache).
   """
   b = tokens.shape[0]
-  dcache = cache_lib.with_lengths(dcache, seq_len - 2)
-  pair = _gather_rows(tokens, seq_len[:, None] + jnp.array([[-2, -1]], jnp.int32))  # [B, 2]
-  logits, dcache = model.forward(params, cfg, pair, dcache,
-                                 logits_at=jnp.ones((b, 1), jnp.int32), head=head)
-  q0 = _draft_probs(logits[:, 0], s, vocab)  # [B, V]
+  if behind is None:
+    behind = jnp.ones((b,), bool)
+  logits0, dcache = _first_step(params, cfg, dcache, tokens, seq_len, behind, head)
+  q0 = _draft_probs(logits0, s, vocab)  # [B, V]
   d0 = sampling.sample(jax.random.fold_in(key, 0), q0, s)  # [B]
   drafts = jnp.zeros((b, gamma_max), jnp.int32).at[:, 0].set(d0)
   q = jnp.zeros((b, gamma_max, vocab), jnp.float32).at[:, 0].set(q0)
@@ -108,9 +151,9 @@ def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
     going = take & (i + 1 < gamma)
     return i + 1, dcache, drafts, q, gamma_eff, going
 
-  _, dcache, drafts, q, gamma_eff, _ = jax.lax.while_loop(
+  steps, dcache, drafts, q, gamma_eff, _ = jax.lax.while_loop(
       cond, body, (jnp.int32(1), dcache, drafts, q, gamma_eff, going))
-  return drafts, q, jnp.minimum(gamma_eff, gamma), dcache
+  return drafts, q, jnp.minimum(gamma_eff, gamma), steps, dcache
 
 
 def prompt_lookup(tokens: jax.Array, seq_len: jax.Array, gamma: jax.Array,

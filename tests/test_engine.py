@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -99,11 +101,13 @@ def _prefill_cache(cfg, params, tokens: list[int], slots: int) -> cache_lib.KVCa
   return cache
 
 
-@pytest.mark.parametrize("method", ["model", "prompt_lookup"])
+@pytest.mark.parametrize("method", ["model", "model_is_target", "prompt_lookup"])
 def test_caches_after_rounds_equal_a_fresh_prefill(method):
   bundle = tiny.pair(4)
-  spec = decode.Spec(tiny.TARGET, tiny.DRAFT if method == "model" else None, method,
-                     sampling.Sampling(1.0), 3, 3, ngram=1)
+  if method == "model_is_target":  # every round accepts all drafts: the draft stays behind
+    bundle, method = jspec.Bundle(bundle.target, bundle.target), "model"
+  d_cfg = bundle.draft.cfg if method == "model" else None
+  spec = decode.Spec(tiny.TARGET, d_cfg, method, sampling.Sampling(1.0), 3, 3, ngram=1)
   prompt = [5, 3, 5, 3, 5]
   width = decode.buffer_width(8, 16, 3)
   dparams = decode.DraftWeights(bundle.draft.params) if method == "model" else None
@@ -120,11 +124,39 @@ def test_caches_after_rounds_equal_a_fresh_prefill(method):
     np.testing.assert_allclose(state.target_cache.k[:, :, :t_len], fresh.k[:, :, :t_len], atol=1e-5)
     np.testing.assert_allclose(state.target_cache.v[:, :, :t_len], fresh.v[:, :, :t_len], atol=1e-5)
     if method == "model":
-      # The draft holds at least every token but the last two (its next
-      # round starts by feeding those two).
-      fresh = _prefill_cache(tiny.DRAFT, bundle.draft.params, tokens[:n - 2], width)
-      np.testing.assert_allclose(state.draft_cache.k[:, :, :n - 2], fresh.k[:, :, :n - 2], atol=1e-5)
-      np.testing.assert_allclose(state.draft_cache.v[:, :, :n - 2], fresh.v[:, :, :n - 2], atol=1e-5)
+      # The draft holds every token but the last, or but the last two when
+      # its row accepted every draft it ran (its next round feeds both).
+      held = n - 2 if bool(state.draft_behind[0]) else n - 1
+      fresh = _prefill_cache(d_cfg, bundle.draft.params, tokens[:held], width)
+      np.testing.assert_allclose(state.draft_cache.k[:, :, :held], fresh.k[:, :, :held], atol=1e-5)
+      np.testing.assert_allclose(state.draft_cache.v[:, :, :held], fresh.v[:, :, :held], atol=1e-5)
+
+
+def test_verify_runs_the_narrowest_width_that_holds_every_counted_draft():
+  bundle = tiny.pair(11)
+  params = bundle.target.params
+  spec = decode.Spec(tiny.TARGET, None, "prompt_lookup", sampling.Sampling(), 8, 8)
+  assert decode.verify_widths(spec) == (1, 2, 3, 5, 9)
+  assert decode.verify_widths(dataclasses.replace(spec, method="model", draft=tiny.DRAFT)) \
+      == (2, 3, 5, 9)
+  assert decode.verify_widths(dataclasses.replace(spec, dynamic_verify=False)) == (9,)
+  slots, starts = 32, jnp.asarray([6, 9])
+  _, cache = model.forward(params, tiny.TARGET, jnp.asarray([tiny.prompt(11, 9)] * 2),
+                           cache_lib.init(tiny.TARGET, 2, slots))
+  cache = cache_lib.with_lengths(cache, starts)
+  # A sentinel in every free slot shows which slots the verify wrote.
+  free = jnp.arange(slots)[None, None, :, None, None] >= starts[None, :, None, None, None]
+  cache = cache.replace(k=jnp.where(free, 123.0, cache.k))
+  chunk = jnp.asarray([tiny.prompt(12, 9), tiny.prompt(13, 9)])  # [2, G+1]
+  full, _ = model.forward(params, tiny.TARGET, chunk, cache)
+  for counted, w in [((0, 0), 1), ((1, 0), 2), ((0, 2), 3), ((3, 1), 5), ((4, 4), 5),
+                     ((5, 0), 9), ((8, 8), 9)]:
+    logits, out = decode._verify(params, spec, chunk, cache, jnp.asarray(counted))
+    for row, c in enumerate(counted):
+      np.testing.assert_allclose(logits[row, :c + 1], full[row, :c + 1], atol=1e-5)
+      written = np.any(np.asarray(out.k[:, row]) != 123.0, axis=(0, 2, 3))  # [S]
+      assert written.tolist() == [True] * (int(starts[row]) + w) + [False] * (
+          slots - int(starts[row]) - w), (counted, w)
 
 
 def test_batch_rows_equal_their_single_runs():
