@@ -63,6 +63,9 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
   what.add_argument("--draft-vocab", type=int,
                     help="cut the draft's output head to the first N token ids in every "
                          "draft-model mode (jspec.generate's draft_vocab; default: full head)")
+  what.add_argument("--head-cuts", type=_ints, default=(),
+                    help="add a confidence_v<N> mode for each N: the confidence policy with "
+                         "the draft's head cut to the first N token ids (e.g. 32768,65536)")
   what.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 128)")
   what.add_argument("--reps", type=int, help="timed repetitions; figures are medians (default 3)")
   what.add_argument("--stop-at-eos", action="store_true",

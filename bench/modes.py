@@ -7,6 +7,8 @@ Mode names are the keys of the results JSON:
   heuristic         jspec, draft model, gamma +2 after a fully accepted round, -1 otherwise
   confidence        jspec, draft model, drafting stops when the draft's top
                     probability falls below --min-confidence
+  confidence_v<N>   the same with the draft's output head cut to the first N
+                    token ids (--head-cuts; jspec.generate's draft_vocab)
   prompt_lookup     jspec, drafts copied from earlier n-grams (no draft model)
   hf_target         HF transformers `generate`, the target alone
   hf_assisted       HF transformers `generate` with `assistant_model=` the draft
@@ -52,7 +54,8 @@ class Mode:
 
 
 def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: float,
-              lookup_gamma: int, ngram: int, draft_vocab: Optional[int] = None) -> list[Mode]:
+              lookup_gamma: int, ngram: int, draft_vocab: Optional[int] = None,
+              head_cuts: Sequence[int] = ()) -> list[Mode]:
   """Every mode a default run measures, in report order.
 
   Args:
@@ -63,6 +66,8 @@ def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: fl
     ngram: n-gram length of prompt lookup.
     draft_vocab: cut the draft's output head to this many ids in every
       draft-model mode (None: the full head).
+    head_cuts: for each N, one more confidence mode whose draft head keeps
+      the first N ids, so cuts compare with the full head in one run.
 
   Returns:
     The modes.
@@ -83,6 +88,10 @@ def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: fl
   modes.append(Mode("confidence", "jspec", "adaptive",
                     {**draft, "gamma": g_max, "gamma_max": g_max,
                      "policy": "confidence", "min_confidence": min_confidence}))
+  confidence = modes[-1]
+  for cut in head_cuts:
+    modes.append(Mode(f"confidence_v{cut}", "jspec", "adaptive",
+                      {**confidence.kwargs, "draft_vocab": cut}))
   modes.append(Mode("prompt_lookup", "jspec", "lookup",
                     {"method": "prompt_lookup", "gamma": lookup_gamma, "ngram": ngram,
                      "policy": "fixed"}))

@@ -155,6 +155,11 @@ def test_mode_selection():
   assert names("hf", hf=False) == ["target"]
   with pytest.raises(ValueError, match="unknown modes"):
     names("spec_g9")
+  cuts = modes_lib.all_modes([2], 8, 0.5, 4, 3, head_cuts=[100, 200])
+  adaptive = {m.name: m.kwargs for m in modes_lib.select(cuts, "adaptive", hf=False)}
+  assert list(adaptive) == ["target", "heuristic", "confidence", "confidence_v100",
+                            "confidence_v200"]
+  assert adaptive["confidence_v200"] == {**adaptive["confidence"], "draft_vocab": 200}
 
 
 def test_gate_and_agreement_on_a_hand_made_document():
