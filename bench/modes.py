@@ -10,6 +10,8 @@ Mode names are the keys of the results JSON:
   confidence_v<N>   the same with the draft's output head cut to the first N
                     token ids (--head-cuts; jspec.generate's draft_vocab)
   prompt_lookup     jspec, drafts copied from earlier n-grams (no draft model)
+  lookup_model      jspec, prompt lookup where the last n-gram occurred before,
+                    the draft model (confidence policy) where it did not
   hf_target         HF transformers `generate`, the target alone
   hf_assisted       HF transformers `generate` with `assistant_model=` the draft
 """
@@ -23,7 +25,7 @@ HF_MODES = ("hf_target", "hf_assisted")
 GROUPS = {
     "spec": "every spec_g<G> of --gammas",
     "adaptive": "heuristic and confidence",
-    "lookup": "prompt_lookup",
+    "lookup": "prompt_lookup and lookup_model",
     "hf": "hf_target and hf_assisted",
     "jspec": "every jspec mode",
 }
@@ -49,7 +51,11 @@ class Mode:
 
   @property
   def uses_draft(self) -> bool:
-    """Whether the draft model runs (its weight reads count in GB/s)."""
+    """Whether the draft model runs every round (its weight reads count in GB/s).
+
+    lookup_model runs it only in some rounds, which the stats do not tell
+    apart: its GB/s counts the target's reads alone (a lower bound).
+    """
     return self.engine == "jspec" and self.kwargs.get("method") == "model"
 
 
@@ -95,6 +101,9 @@ def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: fl
   modes.append(Mode("prompt_lookup", "jspec", "lookup",
                     {"method": "prompt_lookup", "gamma": lookup_gamma, "ngram": ngram,
                      "policy": "fixed"}))
+  modes.append(Mode("lookup_model", "jspec", "lookup",
+                    {**draft, "method": "lookup_model", "gamma": g_max, "gamma_max": g_max,
+                     "ngram": ngram, "policy": "confidence", "min_confidence": min_confidence}))
   modes.append(Mode("hf_target", "hf", "hf"))
   modes.append(Mode("hf_assisted", "hf", "hf"))
   return modes

@@ -7,7 +7,8 @@ from typing import Any, Optional
 from bench import results
 
 _SHORT = {"target": "target", "heuristic": "heur", "confidence": "conf",
-          "prompt_lookup": "lookup", "hf_target": "hf", "hf_assisted": "hf+asst"}
+          "prompt_lookup": "lookup", "lookup_model": "lkp+mdl", "hf_target": "hf",
+          "hf_assisted": "hf+asst"}
 
 
 def short(mode: str) -> str:

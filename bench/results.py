@@ -345,6 +345,10 @@ def targets(doc: dict[str, Any]) -> dict[str, Any]:
           code[best].get("speedup_vs_hf_assisted"), 2.0)
   edit = s.get("prompt_lookup", {}).get("by_kind", {}).get("edit", {})
   check("prompt_lookup_speedup_vs_target_edit", edit.get("speedup_vs_target"), 2.5)
+  # Lookup with the draft model where nothing matches: reported beside the
+  # target above, which is about prompt lookup alone.
+  hybrid = s.get("lookup_model", {}).get("by_kind", {}).get("edit", {})
+  check("lookup_model_speedup_vs_target_edit", hybrid.get("speedup_vs_target"), 2.5)
   compiles = [r["compile_s"] for m, r in s.items() if m in drafted and r.get("compile_s")]
   check("max_first_call_compile_s_speculative", max(compiles) if compiles else None, 60.0,
         at_most=True)

@@ -168,8 +168,9 @@ def _spec(bundle: Bundle, method: str, temperature: float, top_k: int, top_p: fl
   samp = sampling.Sampling(float(temperature), top_k, float(top_p), bundle.vocab_limit)
   if method == "target":
     return decode.Spec(t_cfg, None, "target", samp, 0, 0, "fixed", 0.0, 3)
-  if method == "model" and bundle.draft is None:
-    raise ValueError("method 'model' needs a draft model; load one or use method='prompt_lookup'")
+  if method in decode.DRAFT_METHODS and bundle.draft is None:
+    raise ValueError(f"method {method!r} needs a draft model; load one or use "
+                     "method='prompt_lookup'")
   if policy not in decode.POLICIES:
     raise ValueError(f"policy={policy!r}: expected one of {decode.POLICIES}")
   if gamma is None:
@@ -183,7 +184,8 @@ def _spec(bundle: Bundle, method: str, temperature: float, top_k: int, top_p: fl
     # The confidence policy drafts up to gamma while the draft stays sure:
     # gamma is its cap, and verify width G + 1 should match it.
     gamma = g_max
-  draft_cfg = dataclasses.replace(bundle.draft.cfg, eos_token_ids=()) if method == "model" else None
+  draft_cfg = (dataclasses.replace(bundle.draft.cfg, eos_token_ids=())
+               if method in decode.DRAFT_METHODS else None)
   return decode.Spec(t_cfg, draft_cfg, method, samp, g_max, gamma, policy,
                      float(min_confidence), ngram)
 
@@ -279,7 +281,7 @@ def _prepare(bundle: Bundle, prompt, max_new_tokens, temperature, top_k, top_p, 
   padded = np.zeros((len(ids), p_width), np.int32)
   for r, row in enumerate(ids):
     padded[r, :len(row)] = row
-  if method == "model":
+  if method in decode.DRAFT_METHODS:
     bundle.draft_weights(draft_vocab)  # validates draft_vocab before any compute
   return _Prepared(spec, draft_vocab, ids, jnp.asarray(padded), jnp.asarray([len(i) for i in ids], jnp.int32),
                    jnp.full((len(ids),), max_new_tokens, jnp.int32),
@@ -288,7 +290,8 @@ def _prepare(bundle: Bundle, prompt, max_new_tokens, temperature, top_k, top_p, 
 
 
 def _programs(bundle: Bundle, prep: _Prepared, state_like=None):
-  dparams = bundle.draft_weights(prep.draft_vocab) if prep.spec.method == "model" else None
+  dparams = (bundle.draft_weights(prep.draft_vocab) if prep.spec.method in decode.DRAFT_METHODS
+             else None)
   args = (bundle.target.params, dparams, prep.prompt, prep.prompt_len, prep.max_new, prep.eos,
           prep.key)
   pre, t_pre = PROGRAMS.get("prefill", decode.prefill, args,
@@ -343,7 +346,9 @@ def generate(bundle: Bundle, prompt: Union[Prompt, Sequence[Prompt]], *,
     top_k: keep the k most likely tokens (0: off).
     top_p: nucleus mass (1: off).
     method: "model" (draft model), "prompt_lookup" (n-gram copy, no draft
-      model), or "target" (the target alone: the baseline).
+      model), "lookup_model" (n-gram copy where the last n-gram occurred
+      before, the draft model elsewhere: for edits that repeat their input),
+      or "target" (the target alone: the baseline).
     gamma: drafts per round: the fixed value, the heuristic's start, the
       confidence policy's cap (default: `DEFAULT_GAMMA` of the policy).
     gamma_max: static bound on gamma (default: gamma; 8 for the heuristic).

@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence
 import jax
 
 from jspec import api
+from jspec import decode
 from jspec import fetch
 from jspec import loading
 
@@ -33,7 +34,8 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a closed pipe
 
-METHODS = {"model": "model", "prompt_lookup": "prompt_lookup", "none": "target"}
+METHODS = {"model": "model", "prompt_lookup": "prompt_lookup", "lookup_model": "lookup_model",
+           "none": "target"}
 DTYPES = ("float32", "bfloat16", "float16")
 POLICIES = ("fixed", "heuristic", "confidence")
 
@@ -105,9 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random seed; one seed reproduces one generation (default: 0)")
   gen.add_argument("--draft", choices=tuple(METHODS), default="model",
                    help="where drafts come from: a draft model, prompt_lookup (n-grams of the "
-                   "prompt), or none (the target alone) (default: model)")
+                   "prompt), lookup_model (n-grams where they match, else the draft model), "
+                   "or none (the target alone) (default: model)")
   gen.add_argument("--ngram", type=_number(int, 1), default=3, metavar="N",
-                   help="n-gram length for prompt_lookup (default: 3)")
+                   help="n-gram length for prompt_lookup and lookup_model (default: 3)")
   gen.add_argument("--draft-vocab", type=_number(int, 1), default=None, metavar="V",
                    help="the draft proposes only token ids below V (a cheaper draft head; "
                    "the output stays the target's) (default: the full vocabulary)")
@@ -156,19 +159,20 @@ def _load(args) -> tuple[Any, str, Optional[str]]:
   """
   method = METHODS[args.draft]
   target = args.target or args.model or loading.DEFAULT_PAIR
-  draft = args.draft_model if method == "model" else None
+  uses_draft = method in decode.DRAFT_METHODS
+  draft = args.draft_model if uses_draft else None
   if args.model is not None and args.model not in loading.known_names():
     raise UsageError(f"unknown model {args.model!r}; known models: "
                      f"{', '.join(loading.known_names())} (use --target for a checkpoint path)")
   if args.target is not None and not pathlib.Path(args.target).expanduser().exists():
     raise UsageError(f"--target {args.target}: no such file or directory")
-  if args.target is None and target in fetch.PAIRS and method != "model":
+  if args.target is None and target in fetch.PAIRS and not uses_draft:
     target = fetch.PAIRS[target][0]  # the pair's target alone; its draft would sit unused
-  if method == "model" and draft is None and target in fetch.PAIRS:
+  if uses_draft and draft is None and target in fetch.PAIRS:
     draft = fetch.PAIRS[target][1]
     target = fetch.PAIRS[target][0]
-  if method == "model" and draft is None:
-    raise UsageError(f"--draft model needs a draft model: pass --draft-model PATH with "
+  if uses_draft and draft is None:
+    raise UsageError(f"--draft {args.draft} needs a draft model: pass --draft-model PATH with "
                      f"{'--target' if args.target else '--model'} {target}, or use "
                      "--draft prompt_lookup or --draft none")
   if args.gamma_max is not None and args.gamma is not None and args.gamma > args.gamma_max:

@@ -8,6 +8,9 @@ one target forward and accepts by rejection sampling (`jspec.speculative`):
                           the fair baseline, compiled the same way.
   method "model"          drafts from a small draft model (`drafters.draft_model`).
   method "prompt_lookup"  drafts copied from earlier n-gram matches.
+  method "lookup_model"   prompt lookup where the last n-gram occurred
+                          before, the draft model where it did not (the
+                          draft catches up on what lookup rounds emitted).
 
 Rollback is a change of lengths: after each round the target cache is set to
 hold every token but the last, whatever the verify wrote past that is masked
@@ -34,7 +37,9 @@ from jspec import model
 from jspec import sampling
 from jspec import speculative
 
-METHODS = ("target", "model", "prompt_lookup")
+METHODS = ("target", "model", "prompt_lookup", "lookup_model")
+DRAFT_METHODS = ("model", "lookup_model")  # the methods that run a draft model
+LOOKUP_METHODS = ("prompt_lookup", "lookup_model")
 POLICIES = ("fixed", "heuristic", "confidence")
 
 
@@ -44,7 +49,7 @@ class Spec:
 
   Attributes:
     target: target config.
-    draft: draft config (method "model" only).
+    draft: draft config (methods in DRAFT_METHODS only).
     method: one of METHODS.
     sampling: sampling settings shared by target and draft.
     gamma_max: G, draft slots per round (shapes); 0 for method "target".
@@ -89,9 +94,9 @@ class Spec:
         raise ValueError(f"gamma_max={self.gamma_max!r}: expected an integer >= 1")
       if not 1 <= self.gamma <= self.gamma_max:
         raise ValueError(f"gamma={self.gamma!r}: expected 1 <= gamma <= gamma_max={self.gamma_max}")
-    if self.method == "model" and self.draft is None:
-      raise ValueError("method 'model' needs a draft config")
-    if self.method == "prompt_lookup" and (not isinstance(self.ngram, int) or self.ngram < 1):
+    if self.method in DRAFT_METHODS and self.draft is None:
+      raise ValueError(f"method {self.method!r} needs a draft config")
+    if self.method in LOOKUP_METHODS and (not isinstance(self.ngram, int) or self.ngram < 1):
       raise ValueError(f"ngram={self.ngram!r}: expected an integer >= 1")
 
 
@@ -115,7 +120,7 @@ class State:
 
   Attributes:
     target_cache: target KV cache, [L, B, S, K, H] buffers.
-    draft_cache: draft KV cache (method "model"), else None.
+    draft_cache: draft KV cache (DRAFT_METHODS), else None.
     tokens: [B, W] int32 prompt followed by generated tokens.
     seq_len: [B] int32 valid tokens per row in `tokens`.
     prompt_len: [B] int32 prompt tokens per row.
@@ -130,8 +135,9 @@ class State:
     accepted: [B] int32 drafts accepted.
     hist: [B, G+1] int32 rounds by number of drafts accepted.
     gamma_trace: [B, R] int32 effective gamma of each round (R = W).
-    draft_behind: [B] bool the draft cache lacks the row's x_{n-2} (it
-      accepted every draft the draft model ran; see `drafters.draft_model`).
+    draft_len: [B] int32 leading tokens of the row the draft cache holds
+      (it lacks x_{n-1}, x_{n-2} after a round that accepted every draft
+      it ran, and whatever prompt lookup rounds emitted).
   """
 
   target_cache: cache_lib.KVCache
@@ -150,7 +156,7 @@ class State:
   accepted: jax.Array
   hist: jax.Array
   gamma_trace: jax.Array
-  draft_behind: jax.Array
+  draft_len: jax.Array
 
 
 def buffer_width(prompt_width: int, max_new: int, gamma_max: int) -> int:
@@ -269,7 +275,7 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
   tokens = _write_rows(tokens, first[:, None], prompt_len)
 
   dcache = None
-  if spec.method == "model":
+  if spec.method in DRAFT_METHODS:
     dcache = cache_lib.init(spec.draft, b, width, _dtype(draft_params.params))
     _, dcache = model.forward(draft_params.params, spec.draft, prompt, dcache,
                               logits_at=jnp.zeros((b, 1), jnp.int32))
@@ -284,7 +290,7 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
       rounds=jnp.int32(0), gamma=jnp.full((b,), spec.gamma if g else 0, jnp.int32),
       row_rounds=zeros, drafted=zeros, accepted=zeros,
       hist=jnp.zeros((b, g + 1), jnp.int32), gamma_trace=jnp.zeros((b, width), jnp.int32),
-      draft_behind=jnp.zeros((b,), bool))  # the draft cache holds the whole prompt
+      draft_len=prompt_len)
 
 
 def _dtype(params) -> jnp.dtype:
@@ -301,13 +307,9 @@ def _round(target_params, draft_params, state: State, spec: Spec) -> State:
 
   # 1. Draft.
   dcache = state.draft_cache
-  steps = jnp.int32(g + 1)  # draft forwards run; more than any n unless a draft model runs
-  if spec.method == "model":
-    drafts, q, gamma_eff, steps, dcache = drafters.draft_model(
-        draft_params.params, spec.draft, dcache, state.tokens, state.seq_len, state.gamma,
-        draft_key, spec.sampling, g, vocab,
-        spec.min_confidence if spec.policy == "confidence" else 0.0, draft_params.head,
-        state.draft_behind & ~state.done)
+  if spec.method in DRAFT_METHODS:
+    drafts, q, gamma_eff, steps, used_model, dcache = _draft_with_model(
+        draft_params, state, spec, draft_key, vocab)
   elif spec.method == "prompt_lookup":
     drafts, q, gamma_eff = drafters.prompt_lookup(
         state.tokens, state.seq_len, state.gamma, g, spec.ngram, vocab)
@@ -339,8 +341,14 @@ def _round(target_params, draft_params, state: State, spec: Spec) -> State:
   done = state.done | hit_eos | (n_emit >= room)
 
   # 5. Roll back: the target holds all tokens but the last (the draft is
-  # rolled back at the start of its next round).
+  # rolled back at the start of its next round, to what it holds).
   tcache = cache_lib.with_lengths(tcache, seq_len - 1)
+  draft_len = state.draft_len
+  if spec.method in DRAFT_METHODS:
+    # A lookup row's draft holds its tokens up to x_{n-1} if the draft ran
+    # this round (its catch-up feeds every row), else what it held before.
+    draft_len = jnp.where(used_model, drafters.held_after(state.seq_len, n, steps),
+                          jnp.where(steps > 0, state.seq_len, state.draft_len))
 
   active = (~state.done).astype(jnp.int32)
   gamma = state.gamma
@@ -353,7 +361,55 @@ def _round(target_params, draft_params, state: State, spec: Spec) -> State:
       drafted=state.drafted + active * gamma_eff,
       accepted=state.accepted + active * n,
       hist=state.hist + active[:, None] * jax.nn.one_hot(n, g + 1, dtype=jnp.int32),
-      gamma_trace=_trace(state, gamma_eff), draft_behind=n >= steps)
+      gamma_trace=_trace(state, gamma_eff), draft_len=draft_len)
+
+
+def _draft_with_model(draft_params, state: State, spec: Spec, key: jax.Array, vocab: int):
+  """Drafts with the draft model, or (method "lookup_model") only where prompt lookup finds nothing.
+
+  Args:
+    draft_params: `DraftWeights`.
+    state: loop state.
+    spec: static settings.
+    key: PRNG key for the drafts.
+    vocab: the target's vocabulary size.
+
+  Returns:
+    (drafts [B, G], q [B, G, V], gamma_eff [B], steps [] int32 draft forwards
+    run (0 if the draft did not run), used_model [B] bool rows drafted by the
+    draft model, draft cache).
+  """
+  g = spec.gamma_max
+  min_confidence = spec.min_confidence if spec.policy == "confidence" else 0.0
+  widths = drafters.catch_up_widths(g, spec.method == "lookup_model")
+
+  def run_model(gamma):
+    return drafters.draft_model(
+        draft_params.params, spec.draft, state.draft_cache, state.tokens, state.seq_len, gamma,
+        key, spec.sampling, g, vocab, min_confidence, draft_params.head, state.draft_len, widths)
+
+  if spec.method == "model":
+    drafts, q, gamma_eff, steps, dcache = run_model(state.gamma)
+    return drafts, q, gamma_eff, steps, jnp.ones_like(state.done), dcache
+  l_drafts, l_q, l_gamma = drafters.prompt_lookup(
+      state.tokens, state.seq_len, state.gamma, g, spec.ngram, vocab)
+  use_model = (l_gamma == 0) & ~state.done
+
+  def with_model(_):
+    # Rows that have lookup drafts ask for one model draft: they never keep
+    # the draft loop going (their catch-up still runs, batch-wide).
+    return run_model(jnp.where(use_model, state.gamma, 1))
+
+  def without(_):
+    return (jnp.zeros_like(l_drafts), jnp.zeros_like(l_q), jnp.zeros_like(l_gamma),
+            jnp.int32(0), state.draft_cache)
+
+  m_drafts, m_q, m_gamma, steps, dcache = jax.lax.cond(jnp.any(use_model), with_model, without,
+                                                       None)
+  drafts = jnp.where(use_model[:, None], m_drafts, l_drafts)
+  q = jnp.where(use_model[:, None, None], m_q, l_q)
+  gamma_eff = jnp.where(use_model, m_gamma, l_gamma)
+  return drafts, q, gamma_eff, steps, use_model, dcache
 
 
 def _trace(state: State, gamma_eff: jax.Array) -> jax.Array:

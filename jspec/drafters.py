@@ -44,17 +44,40 @@ def _draft_probs(logits: jax.Array, s: sampling.Sampling, vocab: int) -> jax.Arr
   return _fit_vocab(sampling.probs(logits, s), vocab)
 
 
-def _first_step(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
-                tokens: jax.Array, seq_len: jax.Array, behind: jax.Array,
-                head: Optional[jax.Array]):
-  """The draft's logits for d_1: feeds x_{n-1}, and x_{n-2} too if some row lacks it.
+def catch_up_widths(gamma_max: int, hybrid: bool) -> tuple[int, ...]:
+  """Static chunk widths the draft's catch-up feeds (ascending).
 
-  After a round in which a row accepted every draft the draft model ran,
-  the draft has not seen its own last draft (now x_{n-2}): those rounds feed
-  [x_{n-2}, x_{n-1}]. Otherwise the draft holds x_{n-2} already and one
-  token does, which is cheaper (a 2-token step costs about 1.4 one-token
-  steps on XLA CPU). Rewriting slot n-2 with the same token changes nothing,
-  so one row's need decides for the whole batch.
+  With a draft model alone the draft lacks one or two tokens per round
+  (x_{n-1}, and x_{n-2} after a fully accepted round). When prompt lookup
+  drafted some rounds instead, the draft missed everything those rounds
+  emitted, up to G + 1 tokens each, fed in chunks of up to G + 1.
+
+  Args:
+    gamma_max: G.
+    hybrid: whether prompt lookup drafts some rounds (method "lookup_model").
+
+  Returns:
+    Widths T, each one compiled draft forward over T tokens.
+  """
+  if not hybrid:
+    return (1, 2)
+  full = gamma_max + 1
+  return tuple(sorted({1, 2, full} | {2**k + 1 for k in range(1, full.bit_length())
+                                      if 2**k + 1 < full}))
+
+
+def _first_step(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
+                tokens: jax.Array, seq_len: jax.Array, draft_len: jax.Array,
+                head: Optional[jax.Array], widths: tuple[int, ...]):
+  """Feeds each row the tokens its draft cache lacks, x_{n-1} last; returns the logits for d_1.
+
+  Each pass feeds every row a chunk starting at its own `draft_len`: the
+  narrowest width in `widths` that holds what the furthest-behind row still
+  lacks, or the widest. Rows that lack less feed padding past x_{n-1},
+  which the cache lengths roll back. After a normal round a row lacks x_{n-1}
+  (one token: one cheap T=1 step) or also x_{n-2} (the draft's own last
+  draft, after a fully accepted round); the batch pays for its furthest
+  row.
 
   Args:
     params: draft params.
@@ -62,42 +85,59 @@ def _first_step(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
     dcache: draft KV cache.
     tokens: [B, W] int32 prompt + output so far.
     seq_len: [B] int32 valid tokens per row (>= 2).
-    behind: [B] bool rows whose draft cache lacks x_{n-2}.
+    draft_len: [B] int32 leading tokens of each row the draft cache holds
+      (< seq_len; rows with draft_len >= seq_len feed nothing useful).
     head: optional truncated output table (see `draft_model`).
+    widths: static chunk widths (`catch_up_widths`).
 
   Returns:
     (logits [B, V'] for d_1, draft cache holding every token of each row).
   """
   b = tokens.shape[0]
+  v = cfg.vocab_size if head is None else head.shape[0]
+  table = jnp.asarray(widths, jnp.int32)
 
-  def catch_up(dcache):
-    dcache = cache_lib.with_lengths(dcache, seq_len - 2)
-    pair = _gather_rows(tokens, seq_len[:, None] + jnp.array([[-2, -1]], jnp.int32))  # [B, 2]
-    logits, dcache = model.forward(params, cfg, pair, dcache,
-                                   logits_at=jnp.ones((b, 1), jnp.int32), head=head)
-    return logits[:, 0], dcache
+  def branch(w: int):
+    def fn(dcache, start, last):
+      chunk = _gather_rows(tokens, start[:, None] + jnp.arange(w)[None])  # [B, w]
+      at = jnp.clip(last - start, 0, w - 1)[:, None]  # [B, 1] x_{n-1} if in this chunk
+      logits, dcache = model.forward(params, cfg, chunk, cache_lib.with_lengths(dcache, start),
+                                     logits_at=at, head=head)
+      return logits[:, 0], dcache, jnp.minimum(start + w, last + 1)
+    return fn
 
-  def in_step(dcache):
-    dcache = cache_lib.with_lengths(dcache, seq_len - 1)
-    last = _gather_rows(tokens, seq_len[:, None] - 1)  # [B, 1]
-    logits, dcache = model.forward(params, cfg, last, dcache, head=head)
-    return logits[:, 0], dcache
+  def cond(carry):
+    _, _, start = carry
+    return jnp.any(start < seq_len)
 
-  return jax.lax.cond(jnp.any(behind), catch_up, in_step, dcache)
+  def body(carry):
+    dcache, logits, start = carry
+    lacking = jnp.max(seq_len - start)
+    index = jnp.minimum(jnp.searchsorted(table, lacking), len(widths) - 1)
+    step, dcache, new_start = jax.lax.switch(index, [branch(w) for w in widths],
+                                             dcache, start, seq_len - 1)
+    fed_last = (start < seq_len) & (new_start >= seq_len)  # this pass fed x_{n-1}
+    logits = jnp.where(fed_last[:, None], step, logits)
+    return dcache, logits, jnp.maximum(new_start, start)
+
+  start = jnp.minimum(draft_len, seq_len - 1)
+  dcache, logits, _ = jax.lax.while_loop(
+      cond, body, (dcache, jnp.zeros((b, v), jnp.float32), start))
+  return logits, cache_lib.with_lengths(dcache, seq_len)
 
 
 def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
                 tokens: jax.Array, seq_len: jax.Array, gamma: jax.Array, key: jax.Array,
                 s: sampling.Sampling, gamma_max: int, vocab: int,
                 min_confidence: float = 0.0, head: Optional[jax.Array] = None,
-                behind: Optional[jax.Array] = None):
+                draft_len: Optional[jax.Array] = None, widths: tuple[int, ...] = (1, 2)):
   """Drafts up to gamma tokens per row with the draft model, sampling each from q.
 
   Step 0 brings the draft up to date (`_first_step`) and proposes d_1; step
   i >= 1 feeds d_i and proposes d_{i+1}. The loop runs while any row wants
   more drafts, so after `steps` steps the draft cache holds d_1..d_{steps-1}
   of every row: a row that accepts all `steps` drafts leaves the draft one
-  token behind (`behind` of the next round).
+  token behind (see `held_after`).
 
   Args:
     params: draft params.
@@ -115,16 +155,18 @@ def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
     head: optional [V', D] truncated output table (the first V' token ids):
       the draft's head is over a quarter of its weight reads per step, and
       a q that is 0 on rare tokens costs only acceptance, never exactness.
-    behind: [B] bool rows whose draft cache lacks x_{n-2} (None: assume all).
+    draft_len: [B] int32 leading tokens of each row the draft cache holds
+      (None: all but the last two, the most a normal round leaves it lacking).
+    widths: static catch-up chunk widths (`catch_up_widths`).
 
   Returns:
     (drafts [B, G] int32, q [B, G, vocab] float32, gamma_eff [B] int32,
     steps [] int32 draft forwards run, draft cache).
   """
   b = tokens.shape[0]
-  if behind is None:
-    behind = jnp.ones((b,), bool)
-  logits0, dcache = _first_step(params, cfg, dcache, tokens, seq_len, behind, head)
+  if draft_len is None:
+    draft_len = seq_len - 2
+  logits0, dcache = _first_step(params, cfg, dcache, tokens, seq_len, draft_len, head, widths)
   q0 = _draft_probs(logits0, s, vocab)  # [B, V]
   d0 = sampling.sample(jax.random.fold_in(key, 0), q0, s)  # [B]
   drafts = jnp.zeros((b, gamma_max), jnp.int32).at[:, 0].set(d0)
@@ -154,6 +196,20 @@ def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
   steps, dcache, drafts, q, gamma_eff, _ = jax.lax.while_loop(
       cond, body, (jnp.int32(1), dcache, drafts, q, gamma_eff, going))
   return drafts, q, jnp.minimum(gamma_eff, gamma), steps, dcache
+
+
+def held_after(seq_len: jax.Array, n: jax.Array, steps: jax.Array) -> jax.Array:
+  """Leading tokens the draft cache holds after a draft-model round.
+
+  Args:
+    seq_len: [B] int32 tokens per row before the round (x_{n-1} last).
+    n: [B] int32 drafts accepted.
+    steps: [] int32 draft forwards the round ran (it fed d_1..d_{steps-1}).
+
+  Returns:
+    [B] int32: the prefix, then the accepted drafts the draft itself was fed.
+  """
+  return seq_len + jnp.minimum(n, steps - 1)
 
 
 def prompt_lookup(tokens: jax.Array, seq_len: jax.Array, gamma: jax.Array,

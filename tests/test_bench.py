@@ -151,7 +151,7 @@ def test_mode_selection():
   names = lambda spec, hf=True: [m.name for m in modes_lib.select(every, spec, hf)]
   assert names("spec_g2") == ["target", "spec_g2"]  # the baseline always runs
   assert names("spec,lookup", hf=False) == ["target", "spec_g1", "spec_g2", "spec_g3",
-                                            "prompt_lookup"]
+                                            "prompt_lookup", "lookup_model"]
   assert names("hf", hf=False) == ["target"]
   with pytest.raises(ValueError, match="unknown modes"):
     names("spec_g9")

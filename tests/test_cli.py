@@ -82,7 +82,8 @@ def test_sampling_options_match_generate(pair, bundle, capsys):
      dict(method="prompt_lookup", ngram=2, policy="heuristic", gamma_max=6)),
     (["--draft", "none"], dict(method="target")),
     (["--draft-vocab", "200"], dict(method="model", draft_vocab=200)),
-], ids=["prompt_lookup", "none", "draft-vocab"])
+    (["--draft", "lookup_model", "--ngram", "2"], dict(method="lookup_model", ngram=2)),
+], ids=["prompt_lookup", "none", "draft-vocab", "lookup_model"])
 def test_draft_methods_match_generate(pair, bundle, capsys, argv, options):
   want = jspec.generate(bundle, PROMPT, max_new_tokens=12, **options)
   code, out, _ = _run(capsys, ["generate", PROMPT, "--max-new-tokens", "12", "--json", *argv,

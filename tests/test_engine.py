@@ -16,6 +16,7 @@ import tiny
 from jspec import api
 from jspec import cache as cache_lib
 from jspec import decode
+from jspec import drafters
 from jspec import model
 from jspec import sampling
 
@@ -30,6 +31,8 @@ SETTINGS = [
     dict(method="model"),  # the defaults
     dict(method="prompt_lookup", gamma=3, ngram=1, policy="fixed"),
     dict(method="prompt_lookup", gamma=4, ngram=2, policy="heuristic", gamma_max=6),
+    dict(method="lookup_model", gamma=4, ngram=2, policy="fixed"),
+    dict(method="lookup_model", gamma=5, ngram=3, policy="confidence", min_confidence=0.5),
 ]
 MAX_NEW = 24
 
@@ -101,16 +104,16 @@ def _prefill_cache(cfg, params, tokens: list[int], slots: int) -> cache_lib.KVCa
   return cache
 
 
-@pytest.mark.parametrize("method", ["model", "model_is_target", "prompt_lookup"])
+@pytest.mark.parametrize("method", ["model", "model_is_target", "prompt_lookup", "lookup_model"])
 def test_caches_after_rounds_equal_a_fresh_prefill(method):
   bundle = tiny.pair(4)
   if method == "model_is_target":  # every round accepts all drafts: the draft stays behind
     bundle, method = jspec.Bundle(bundle.target, bundle.target), "model"
-  d_cfg = bundle.draft.cfg if method == "model" else None
+  d_cfg = bundle.draft.cfg if method in decode.DRAFT_METHODS else None
   spec = decode.Spec(tiny.TARGET, d_cfg, method, sampling.Sampling(1.0), 3, 3, ngram=1)
   prompt = [5, 3, 5, 3, 5]
   width = decode.buffer_width(8, 16, 3)
-  dparams = decode.DraftWeights(bundle.draft.params) if method == "model" else None
+  dparams = decode.DraftWeights(bundle.draft.params) if d_cfg else None
   state = decode.prefill(bundle.target.params, dparams, jnp.asarray([prompt + [0] * 3]),
                          jnp.asarray([5]), jnp.asarray([16]), jnp.zeros((0,), jnp.int32),
                          jax.random.key(0), spec=spec, width=width)
@@ -123,10 +126,12 @@ def test_caches_after_rounds_equal_a_fresh_prefill(method):
     fresh = _prefill_cache(tiny.TARGET, bundle.target.params, tokens[:t_len], width)
     np.testing.assert_allclose(state.target_cache.k[:, :, :t_len], fresh.k[:, :, :t_len], atol=1e-5)
     np.testing.assert_allclose(state.target_cache.v[:, :, :t_len], fresh.v[:, :, :t_len], atol=1e-5)
-    if method == "model":
-      # The draft holds every token but the last, or but the last two when
-      # its row accepted every draft it ran (its next round feeds both).
-      held = n - 2 if bool(state.draft_behind[0]) else n - 1
+    if d_cfg:
+      # The draft holds what draft_len says: every token but the last, or
+      # but the last two when its row accepted every draft it ran (and with
+      # lookup_model less, after rounds that prompt lookup drafted).
+      held = int(state.draft_len[0])
+      assert (n - 2 if method == "model" else 0) <= held <= n - 1
       fresh = _prefill_cache(d_cfg, bundle.draft.params, tokens[:held], width)
       np.testing.assert_allclose(state.draft_cache.k[:, :, :held], fresh.k[:, :, :held], atol=1e-5)
       np.testing.assert_allclose(state.draft_cache.v[:, :, :held], fresh.v[:, :, :held], atol=1e-5)
@@ -276,3 +281,30 @@ def test_vocabulary_mismatch_is_refused_and_padding_is_masked():
   assert padded.vocab_limit == tiny.VOCAB
   out = jspec.generate(padded, [1, 2, 3], max_new_tokens=20, temperature=1.5, gamma=3)
   assert max(out.token_ids) < tiny.VOCAB
+
+
+def test_draft_catch_up_feeds_every_missing_token_in_chunks():
+  """After prompt lookup rounds the draft lacks many tokens: it is fed them all, x_{n-1} last."""
+  bundle = tiny.pair(12)
+  cfg, params = tiny.DRAFT, bundle.draft.params
+  seq = tiny.prompt(12, 20)
+  seq_len = jnp.asarray([20, 20, 17, 9])
+  held = jnp.asarray([19, 18, 4, 1])  # lacking 1, 2, 13 and 8 tokens
+  tokens = jnp.asarray([seq + [0] * 12] * 4)  # [4, 32]
+  slots = 40
+  _, dcache = model.forward(params, cfg, tokens[:, :20], cache_lib.init(cfg, 4, slots))
+  # What the draft held past `held` is stale: make it garbage.
+  stale = jnp.arange(slots)[None, None, :, None, None] >= held[None, :, None, None, None]
+  dcache = dcache.replace(k=jnp.where(stale, 9.0, dcache.k), v=jnp.where(stale, 9.0, dcache.v))
+  widths = drafters.catch_up_widths(8, hybrid=True)
+  assert widths == (1, 2, 3, 5, 9)
+  logits, dcache = drafters._first_step(params, cfg, dcache, tokens, seq_len,
+                                        held, None, widths)
+  for row in range(4):
+    n = int(seq_len[row])
+    fresh_logits, fresh = model.forward(params, cfg, jnp.asarray([seq[:n]]),
+                                        cache_lib.init(cfg, 1, slots))
+    np.testing.assert_allclose(logits[row], fresh_logits[0, n - 1], atol=1e-5)
+    np.testing.assert_allclose(dcache.k[:, row, :n], fresh.k[:, 0, :n], atol=1e-5)
+    np.testing.assert_allclose(dcache.v[:, row, :n], fresh.v[:, 0, :n], atol=1e-5)
+    assert int(dcache.lengths[row]) == n

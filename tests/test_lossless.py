@@ -124,7 +124,7 @@ def draw(bundle, prompts: list[list[int]], spec: decode.Spec, n_new: int, seed: 
     rows[i::len(prompts), :len(p)] = p  # interleave so prompts share rounds
     lengths[i::len(prompts)] = len(p)
   width = decode.buffer_width(p_width, n_new, spec.gamma_max)
-  dparams = bundle.draft_weights(draft_vocab) if spec.method == "model" else None
+  dparams = bundle.draft_weights(draft_vocab) if spec.method in decode.DRAFT_METHODS else None
   state = decode.prefill(bundle.target.params, dparams, jnp.asarray(rows), jnp.asarray(lengths),
                          jnp.full((len(rows),), n_new, jnp.int32), jnp.zeros((0,), jnp.int32),
                          jax.random.key(seed),
@@ -148,6 +148,10 @@ CASES = {
     "t1.0-confidence": dict(samp=sampling.Sampling(1.0), gamma=4, policy="confidence",
                             min_confidence=0.4),
     "lookup-t1.0": dict(samp=sampling.Sampling(1.0), gamma=3, method="prompt_lookup", ngram=1),
+    # The second prompt's last 2-gram occurred before (lookup drafts), the
+    # first's did not (the draft model drafts): both kinds of q in one batch.
+    "lookup_model-t1.0": dict(samp=sampling.Sampling(1.0), gamma=3, method="lookup_model",
+                              ngram=2),
     # The draft can propose only ids 0..5: q = 0 on the rest of the vocabulary.
     "t1.0-g3-draft-head6": dict(samp=sampling.Sampling(1.0), gamma=3, draft_vocab=6),
 }
@@ -173,12 +177,17 @@ def test_first_three_tokens_follow_target(name):
       assert p_i > ALPHA, f"{name}, prompt {prompt}, token {i + 1}: p = {p_i:.2e}"
 
 
-def test_later_rounds_follow_target():
-  """Tokens 4-6 come from the second and later rounds, after rollbacks."""
+@pytest.mark.parametrize("method", ["model", "lookup_model"])
+def test_later_rounds_follow_target(method):
+  """Tokens 4-6 come from the second and later rounds, after rollbacks.
+
+  With "lookup_model" and 1-grams over 5 ids, rounds switch between lookup
+  and the draft model, which then catches up on what lookup emitted.
+  """
   v = 5
   bundle = tiny.pair(seed=5, scale=0.6, vocab=v)
   samp = sampling.Sampling(1.0)
-  spec = decode.Spec(bundle.target.cfg, bundle.draft.cfg, "model", samp, 2, 2)
+  spec = decode.Spec(bundle.target.cfg, bundle.draft.cfg, method, samp, 2, 2, ngram=1)
   prompts = [[1, 2, 3], [4, 0, 4, 0, 1]]
   samples = draw(bundle, prompts, spec, 6, seed=12)
   for prompt, got in zip(prompts, samples):
