@@ -223,8 +223,30 @@ class _Programs:
       return self.cache[key], time.perf_counter() - t0
     return self.cache[key], 0.0
 
+  def clear(self) -> None:
+    """Drops every compiled program here and in JAX's caches, so that its memory is freed.
+
+    JAX's caches of the two jitted functions (trace -> HLO -> executable)
+    keep each executable alive as well: emptying `self.cache` alone frees
+    nothing.
+    """
+    self.cache.clear()
+    decode.prefill.clear_cache()
+    decode.run.clear_cache()
+
 
 PROGRAMS = _Programs()
+
+
+def release_programs() -> None:
+  """Frees every compiled program; a later `generate` compiles again (or loads the persistent cache).
+
+  Programs are kept per spec and shapes, and on CPU one prefill/run pair of
+  the real pair holds about 150 MB of executable: a process that goes
+  through many settings or prompt-length buckets piles up gigabytes unless
+  it releases the ones it is done with.
+  """
+  PROGRAMS.clear()
 
 
 @dataclasses.dataclass

@@ -1,8 +1,9 @@
 """The benchmark harness on tiny random models: the pipeline runs, the JSON is whole, the gate bites.
 
-These run `python -m bench --smoke` in-process (so later runs reuse the
-programs the first one compiled) into tmp_path. No figure is asserted: the
-benchmark is the check of speed, this file only keeps the harness from rotting.
+These run `python -m bench --smoke` in-process into tmp_path (the bench
+releases each mode's programs once it is measured, so every run compiles its
+own). No figure is asserted: the benchmark is the check of speed, this file
+only keeps the harness from rotting.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from bench import derive
 from bench import modes as modes_lib
 from bench import prompts as prompts_lib
 from bench import results
+from jspec import api
 
 # Few settings, so the programs compile once and the whole file stays short.
 SMOKE = ["--smoke", "--gammas", "2", "--bandwidth-bytes", str(16 << 20)]
@@ -59,6 +61,13 @@ def test_smoke_run_writes_every_figure(smoke_run):
   for path in doc["plots"]:
     with open(path, "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_no_compiled_program_outlives_its_mode(smoke_run):
+  # Kept, every mode's programs of every bucket pile up over a suite run to
+  # gigabytes of peak RSS on the real pair (see bench.runner).
+  assert smoke_run[0] == 0
+  assert api.PROGRAMS.cache == {}
 
 
 def test_planted_mismatch_fails_loudly(tmp_path, monkeypatch, capsys, smoke_run):
