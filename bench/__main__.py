@@ -51,8 +51,8 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                                       "names and kinds (code, edit, chat)")
   what.add_argument("--modes", help="comma-separated modes (target, spec_g<G>, heuristic, "
                                     "confidence, prompt_lookup, lookup_model, hf_target, "
-                                    "hf_assisted) or groups (spec, adaptive, lookup, hf, jspec); target is "
-                                    "always run")
+                                    "hf_assisted) or groups (spec, adaptive, lookup, hf, "
+                                    "jspec); target is always run")
   what.add_argument("--gammas", type=_ints, help="fixed gammas (default 1,2,...,8)")
   what.add_argument("--adaptive-gamma-max", type=int, default=8,
                     help="static gamma bound of the adaptive policies (default 8)")
