@@ -19,6 +19,7 @@ import numpy as np
 from jspec import config as config_lib
 from jspec import decode
 from jspec import fetch
+from jspec import layout
 from jspec import sampling
 
 Prompt = Union[str, Sequence[int]]
@@ -94,6 +95,41 @@ class Bundle:
         head = jnp.array(table[:draft_vocab])  # [V', D], a copy: not a view of the full table
       self._draft_weights[draft_vocab] = decode.DraftWeights(self.draft.params, head)
     return self._draft_weights[draft_vocab]
+
+  def lay_out_target(self, kind: str) -> float:
+    """Stores the target's dense weights the given way round (`jspec.layout`), in place.
+
+    Args:
+      kind: "rows" (fastest for one row per step) or "cols" (for verifies
+        and batches).
+
+    Returns:
+      Seconds spent (0 when the target was laid out so already).
+    """
+    if layout.of(self.target.params) == kind:
+      return 0.0
+    t0 = time.perf_counter()
+    self.target.params = layout.convert(self.target.params, kind)
+    return time.perf_counter() - t0
+
+
+def target_layout(method: str, batch: int) -> str:
+  """The target layout that decodes fastest for a method and batch size.
+
+  Target-only decoding of one prompt multiplies one row per step, where
+  [out, in] ("rows") matrices read fastest (README "Design measurements":
+  about 10% more tokens/s); every other method verifies several positions
+  per step, and a batch multiplies several rows, where [in, out] ("cols")
+  is fastest by far.
+
+  Args:
+    method: a `decode.METHODS` entry.
+    batch: prompts per call.
+
+  Returns:
+    "rows" or "cols".
+  """
+  return "rows" if method == "target" and batch == 1 else "cols"
 
 
 def check_pair(target: config_lib.Qwen2Config, draft: config_lib.Qwen2Config,
@@ -260,6 +296,7 @@ class _Prepared:
   eos: jax.Array  # [E]
   width: int
   key: jax.Array
+  relayout_s: float
 
 
 def _prepare(bundle: Bundle, prompt, max_new_tokens, temperature, top_k, top_p, gamma,
@@ -305,10 +342,11 @@ def _prepare(bundle: Bundle, prompt, max_new_tokens, temperature, top_k, top_p, 
     padded[r, :len(row)] = row
   if method in decode.DRAFT_METHODS:
     bundle.draft_weights(draft_vocab)  # validates draft_vocab before any compute
+  relayout_s = bundle.lay_out_target(target_layout(method, len(ids)))
   return _Prepared(spec, draft_vocab, ids, jnp.asarray(padded), jnp.asarray([len(i) for i in ids], jnp.int32),
                    jnp.full((len(ids),), max_new_tokens, jnp.int32),
                    jnp.asarray(eos, jnp.int32).reshape(-1), width,
-                   jax.random.key(int(seed)))
+                   jax.random.key(int(seed)), relayout_s)
 
 
 def _programs(bundle: Bundle, prep: _Prepared, state_like=None):
@@ -325,8 +363,8 @@ def _programs(bundle: Bundle, prep: _Prepared, state_like=None):
   return dparams, pre, run, t_pre + t_run
 
 
-def _stats(state: decode.State, row: int, n_new: int, compile_s: float, prefill_s: float,
-           decode_s: float) -> dict[str, Any]:
+def _stats(state: decode.State, row: int, n_new: int, compile_s: float, relayout_s: float,
+           prefill_s: float, decode_s: float) -> dict[str, Any]:
   rounds = int(state.row_rounds[row])
   drafted, accepted = int(state.drafted[row]), int(state.accepted[row])
   return {
@@ -340,6 +378,7 @@ def _stats(state: decode.State, row: int, n_new: int, compile_s: float, prefill_
       "accepted_histogram": np.asarray(state.hist[row]).tolist(),
       "gamma_trace": np.asarray(state.gamma_trace[row, :rounds]).tolist(),
       "compile_s": compile_s,
+      "relayout_s": relayout_s,
       "prefill_s": prefill_s,
       "decode_s": decode_s,
       "tokens_per_s": n_new / (prefill_s + decode_s) if prefill_s + decode_s > 0 else float("nan"),
@@ -370,7 +409,11 @@ def generate(bundle: Bundle, prompt: Union[Prompt, Sequence[Prompt]], *,
     method: "model" (draft model), "prompt_lookup" (n-gram copy, no draft
       model), "lookup_model" (n-gram copy where the last n-gram occurred
       before, the draft model elsewhere: for edits that repeat their input),
-      or "target" (the target alone: the baseline).
+      or "target" (the target alone: the baseline). For one prompt,
+      "target" stores the target's dense weights [out, in] and the other
+      methods [in, out], each the faster way for its work (`jspec.layout`):
+      the bundle's target params are converted in place, which takes a few
+      seconds for the real target when the method changes.
     gamma: drafts per round: the fixed value, the heuristic's start, the
       confidence policy's cap (default: `DEFAULT_GAMMA` of the policy).
     gamma_max: static bound on gamma (default: gamma; 8 for the heuristic).
@@ -389,8 +432,9 @@ def generate(bundle: Bundle, prompt: Union[Prompt, Sequence[Prompt]], *,
     A `Result` for one prompt, a list of them for a batch. `stats` holds
     new_tokens, rounds, drafted, accepted, acceptance_rate,
     mean_tokens_per_round, accepted_histogram, gamma_trace, compile_s,
+    relayout_s (time spent laying out the target, see `method`),
     prefill_s, decode_s and tokens_per_s (new tokens over prefill + decode,
-    compile excluded).
+    compile and relayout excluded).
   """
   single = isinstance(prompt, str) or (len(prompt) > 0 and isinstance(prompt[0], (int, np.integer)))
   prep = _prepare(bundle, prompt, max_new_tokens, temperature, top_k, top_p, gamma, gamma_max,
@@ -409,7 +453,7 @@ def generate(bundle: Bundle, prompt: Union[Prompt, Sequence[Prompt]], *,
     start, end = len(ids), int(state.seq_len[r])
     new = tokens[r, start:end].tolist()
     results.append(Result(_decode_text(bundle, new), new,
-                          _stats(state, r, len(new), compile_s, t1 - t0, t2 - t1)))
+                          _stats(state, r, len(new), compile_s, prep.relayout_s, t1 - t0, t2 - t1)))
   return results[0] if single else results
 
 
@@ -475,7 +519,7 @@ def stream(bundle: Bundle, prompt: Prompt, *, rounds_per_dispatch: int = 4,
         yield piece, piece_ids
       emitted_ids = seq_len
     if bool(state.done[0]):
-      return _stats(state, 0, seq_len - start, compile_s, prefill_s,
+      return _stats(state, 0, seq_len - start, compile_s, prep.relayout_s, prefill_s,
                     time.perf_counter() - t0 - prefill_s)
     limit += rounds_per_dispatch
     state = run(bundle.target.params, dparams, state, jnp.int32(limit))

@@ -27,6 +27,32 @@ from jspec import config as config_lib
 Params = Any  # nested dict of arrays, as returned by `init_params` or `convert`.
 
 
+class Linear(nn.Module):
+  """A dense layer whose weight is stored either way round (see `jspec.layout`).
+
+  Params hold either `kernel` [in, out] (flax's layout, what the converters
+  write) or `weight` [out, in]. Which one is static pytree structure, so
+  each layout compiles its own program.
+  """
+
+  features: int
+  use_bias: bool
+  dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
+    if self.has_variable("params", "weight"):
+      weight = self.param("weight", nn.initializers.zeros, (self.features, x.shape[-1]), self.dtype)
+      y = jnp.einsum("...i,oi->...o", x, weight)
+    else:
+      kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
+                          self.dtype)
+      y = x @ kernel
+    if self.use_bias:
+      y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+    return y
+
+
 class RMSNorm(nn.Module):
   """Root-mean-square norm, computed in float32 like the reference."""
 
@@ -86,8 +112,7 @@ class Attention(nn.Module):
     cfg = self.cfg
     b, t, _ = x.shape
     n, k, g, h = cfg.num_heads, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
-    dense = lambda feats, name, bias: nn.Dense(
-        feats, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name)
+    dense = lambda feats, name, bias: Linear(feats, bias, self.dtype, name=name)
     q = dense(n * h, "q_proj", True)(x).reshape(b, t, n, h)
     new_k = dense(k * h, "k_proj", True)(x).reshape(b, t, k, h)
     new_v = dense(k * h, "v_proj", True)(x).reshape(b, t, k, h)
@@ -119,8 +144,7 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, D]
-    dense = lambda feats, name: nn.Dense(
-        feats, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name=name)
+    dense = lambda feats, name: Linear(feats, False, self.dtype, name=name)
     f = self.cfg.intermediate_size
     hidden = nn.silu(dense(f, "gate_proj")(x)) * dense(f, "up_proj")(x)  # [B, T, F]
     return dense(self.cfg.hidden_size, "down_proj")(hidden)

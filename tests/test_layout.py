@@ -1,0 +1,77 @@
+"""jspec.layout: dense weights stored [out, in] compute what [in, out] ones do, and generate picks the layout."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+import tiny
+from jspec import cache as cache_lib
+from jspec import layout
+from jspec import model
+
+
+def _copy(params):
+  return jax.tree.map(lambda x: x, params)  # new dicts, the same arrays
+
+
+def _forward(params, tokens):
+  cache = cache_lib.init(tiny.TARGET, tokens.shape[0], 32)
+  return model.forward(params, tiny.TARGET, jnp.asarray(tokens), cache)
+
+
+@pytest.mark.parametrize("t", [1, 5, 17])
+def test_rows_layout_gives_the_same_logits_and_cache(t):
+  params = model.init_params(tiny.TARGET, jax.random.key(0), scale=0.5)
+  tokens = np.random.RandomState(t).randint(0, tiny.VOCAB, size=(2, t)).astype(np.int32)
+  cols_logits, cols_cache = _forward(params, tokens)
+  rows = layout.convert(_copy(params), "rows")
+  assert layout.of(rows) == "rows" and layout.of(params) == "cols"
+  rows_logits, rows_cache = _forward(rows, tokens)
+  np.testing.assert_allclose(rows_logits, cols_logits, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(rows_cache.k, cols_cache.k, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(rows_cache.v, cols_cache.v, rtol=1e-5, atol=1e-5)
+
+
+def test_convert_works_in_place_and_round_trips_exactly():
+  params = model.init_params(tiny.TARGET, jax.random.key(1))
+  before = _copy(params)
+  same = layout.convert(params, "rows")
+  assert same is params  # in place: whoever holds the dict sees the new layout
+  gate = params["layers_1"]["mlp"]["gate_proj"]
+  assert set(gate) == {"weight"} and gate["weight"].shape == (tiny.TARGET.intermediate_size,
+                                                              tiny.TARGET.hidden_size)
+  np.testing.assert_array_equal(gate["weight"], before["layers_1"]["mlp"]["gate_proj"]["kernel"].T)
+  q = params["layers_0"]["self_attn"]["q_proj"]
+  assert set(q) == {"weight", "bias"}
+  # Norm weights are 1-D `weight`s already: left alone.
+  np.testing.assert_array_equal(params["layers_0"]["input_layernorm"]["weight"],
+                                before["layers_0"]["input_layernorm"]["weight"])
+  layout.convert(params, "cols")
+  assert jax.tree.structure(params) == jax.tree.structure(before)
+  jax.tree.map(np.testing.assert_array_equal, params, before)
+
+
+def test_unknown_layout_is_refused():
+  params = model.init_params(tiny.TARGET, jax.random.key(2))
+  with pytest.raises(ValueError, match="unknown layout 'transposed': expected one of"):
+    layout.convert(params, "transposed")
+
+
+def test_generate_lays_the_target_out_for_its_method():
+  bundle = tiny.pair(3)
+  prompt = tiny.prompt(3, 6)
+  first = jspec.generate(bundle, prompt, max_new_tokens=12, method="target")
+  assert layout.of(bundle.target.params) == "rows" and first.stats["relayout_s"] > 0
+  again = jspec.generate(bundle, prompt, max_new_tokens=12, method="target")
+  assert again.stats["relayout_s"] == 0.0 and again.token_ids == first.token_ids
+  spec = jspec.generate(bundle, prompt, max_new_tokens=12, gamma=3)
+  assert layout.of(bundle.target.params) == "cols" and spec.stats["relayout_s"] > 0
+  assert spec.token_ids == first.token_ids
+  # A batch multiplies several rows per step: [in, out] even for the target alone.
+  batch = jspec.generate(bundle, [prompt, prompt[:3]], max_new_tokens=12, method="target")
+  assert layout.of(bundle.target.params) == "cols"
+  assert batch[0].token_ids == first.token_ids
