@@ -1,10 +1,14 @@
 """What one forward pass of the real target and draft costs at T new tokens.
 
     python -m bench.forward_cost [--target-t 1,2,5,9] [--draft-t 1,2] [--reps 8]
+                                 [--layouts cols,rows]
 
 Loads the real pair, jits `model.forward` on a cache of 512 slots holding 200
-tokens, and prints the median ms per call for each T: the numbers behind the
-cost of a speculative round (gamma draft steps + one verify of gamma + 1).
+tokens, and prints the median ms per call for each T and weight layout
+(`jspec.layout`: "cols" [in, out], what verifies use; "rows" [out, in], what
+target-only decoding of one prompt uses): the numbers behind the cost of a
+speculative round (gamma draft steps + one verify of gamma + 1) and behind
+the layout choice.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 
 import jspec
 from jspec import cache as cache_lib
+from jspec import layout
 from jspec import model
 
 
@@ -48,13 +53,23 @@ def main(argv=None) -> int:
   parser.add_argument("--target-t", default="1,2,5,9")
   parser.add_argument("--draft-t", default="1,2")
   parser.add_argument("--reps", type=int, default=8)
+  parser.add_argument("--layouts", default="cols", help="comma-separated: cols, rows")
   args = parser.parse_args(argv)
+  kinds = args.layouts.split(",")
+  for kind in kinds:
+    if kind not in layout.LAYOUTS:
+      parser.error(f"--layouts: unknown layout {kind!r}: expected a comma-separated subset of "
+                   f"{','.join(layout.LAYOUTS)}")
   bundle = jspec.load("qwen2.5-coder", progress=False)
-  out = {"target": {}, "draft": {}}
+  out = {}
   for name, m, ts in (("target", bundle.target, args.target_t), ("draft", bundle.draft, args.draft_t)):
-    for t in (int(x) for x in ts.split(",")):
-      out[name][t] = _median_ms(m.params, m.cfg, t, args.reps)
-      print(f"{name} T={t}: {out[name][t]:.1f} ms", flush=True)
+    for kind in kinds:
+      m.params = layout.convert(m.params, kind)
+      key = name if kind == "cols" else f"{name}_{kind}"
+      out[key] = {}
+      for t in (int(x) for x in ts.split(",")):
+        out[key][t] = _median_ms(m.params, m.cfg, t, args.reps)
+        print(f"{name} ({kind}) T={t}: {out[key][t]:.1f} ms", flush=True)
   print(json.dumps(out))
   return 0
 
