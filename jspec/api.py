@@ -113,23 +113,25 @@ class Bundle:
     return time.perf_counter() - t0
 
 
-def target_layout(method: str, batch: int) -> str:
-  """The target layout that decodes fastest for a method and batch size.
+def target_layout(method: str, batch: int, platform: str = "cpu") -> str:
+  """The target layout that decodes fastest for a method, batch size and device.
 
-  Target-only decoding of one prompt multiplies one row per step, where
-  [out, in] ("rows") matrices read fastest (README "Design measurements":
-  about 10% more tokens/s); every other method verifies several positions
-  per step, and a batch multiplies several rows, where [in, out] ("cols")
-  is fastest by far.
+  On CPU, target-only decoding of one prompt multiplies one row per step,
+  where [out, in] ("rows") matrices read fastest (README "Design
+  measurements": about 12% per step); every other method verifies several
+  positions per step, and a batch multiplies several rows, where [in, out]
+  ("cols") is fastest by far. Other devices keep "cols": the choice was
+  measured on XLA CPU only.
 
   Args:
     method: a `decode.METHODS` entry.
     batch: prompts per call.
+    platform: the platform of the target's params ("cpu", "gpu", ...).
 
   Returns:
     "rows" or "cols".
   """
-  return "rows" if method == "target" and batch == 1 else "cols"
+  return "rows" if platform == "cpu" and method == "target" and batch == 1 else "cols"
 
 
 def check_pair(target: config_lib.Qwen2Config, draft: config_lib.Qwen2Config,
@@ -342,7 +344,8 @@ def _prepare(bundle: Bundle, prompt, max_new_tokens, temperature, top_k, top_p, 
     padded[r, :len(row)] = row
   if method in decode.DRAFT_METHODS:
     bundle.draft_weights(draft_vocab)  # validates draft_vocab before any compute
-  relayout_s = bundle.lay_out_target(target_layout(method, len(ids)))
+  platform = next(iter(jax.tree.leaves(bundle.target.params)[0].devices())).platform
+  relayout_s = bundle.lay_out_target(target_layout(method, len(ids), platform))
   return _Prepared(spec, draft_vocab, ids, jnp.asarray(padded), jnp.asarray([len(i) for i in ids], jnp.int32),
                    jnp.full((len(ids),), max_new_tokens, jnp.int32),
                    jnp.asarray(eos, jnp.int32).reshape(-1), width,

@@ -9,6 +9,7 @@ import pytest
 
 import jspec
 import tiny
+from jspec import api
 from jspec import cache as cache_lib
 from jspec import layout
 from jspec import model
@@ -75,3 +76,11 @@ def test_generate_lays_the_target_out_for_its_method():
   batch = jspec.generate(bundle, [prompt, prompt[:3]], max_new_tokens=12, method="target")
   assert layout.of(bundle.target.params) == "cols"
   assert batch[0].token_ids == first.token_ids
+
+
+def test_only_a_single_target_only_prompt_on_cpu_is_laid_out_by_rows():
+  assert api.target_layout("target", 1, "cpu") == "rows"
+  assert api.target_layout("target", 2, "cpu") == "cols"
+  assert api.target_layout("model", 1, "cpu") == "cols"
+  assert api.target_layout("prompt_lookup", 1, "cpu") == "cols"
+  assert api.target_layout("target", 1, "gpu") == "cols"  # measured on XLA CPU only
