@@ -344,7 +344,10 @@ def _prepare(bundle: Bundle, prompt, max_new_tokens, temperature, top_k, top_p, 
     padded[r, :len(row)] = row
   if method in decode.DRAFT_METHODS:
     bundle.draft_weights(draft_vocab)  # validates draft_vocab before any compute
-  platform = next(iter(jax.tree.leaves(bundle.target.params)[0].devices())).platform
+  leaf = jax.tree.leaves(bundle.target.params)[0]
+  # Params given as numpy arrays run on the default backend.
+  platform = (next(iter(leaf.devices())).platform if isinstance(leaf, jax.Array)
+              else jax.default_backend())
   relayout_s = bundle.lay_out_target(target_layout(method, len(ids), platform))
   return _Prepared(spec, draft_vocab, ids, jnp.asarray(padded), jnp.asarray([len(i) for i in ids], jnp.int32),
                    jnp.full((len(ids),), max_new_tokens, jnp.int32),
@@ -412,8 +415,8 @@ def generate(bundle: Bundle, prompt: Union[Prompt, Sequence[Prompt]], *,
     method: "model" (draft model), "prompt_lookup" (n-gram copy, no draft
       model), "lookup_model" (n-gram copy where the last n-gram occurred
       before, the draft model elsewhere: for edits that repeat their input),
-      or "target" (the target alone: the baseline). For one prompt,
-      "target" stores the target's dense weights [out, in] and the other
+      or "target" (the target alone: the baseline). For one prompt on
+      CPU, "target" stores the target's dense weights [out, in] and the other
       methods [in, out], each the faster way for its work (`jspec.layout`):
       the bundle's target params are converted in place, which takes a few
       seconds for the real target when the method changes.
