@@ -66,10 +66,11 @@ def main(argv=None) -> int:
     for kind in kinds:
       m.params = layout.convert(m.params, kind)
       key = name if kind == "cols" else f"{name}_{kind}"
-      out[key] = {}
+      costs = {}
       for t in (int(x) for x in ts.split(",")):
-        out[key][t] = _median_ms(m.params, m.cfg, t, args.reps)
-        print(f"{name} ({kind}) T={t}: {out[key][t]:.1f} ms", flush=True)
+        costs[t] = _median_ms(m.params, m.cfg, t, args.reps)
+        print(f"{name} ({kind}) T={t}: {costs[t]:.1f} ms", flush=True)
+      out.setdefault(key, []).append(costs)  # one entry per pass: a layout may repeat
   print(json.dumps(out))
   return 0
 
