@@ -66,6 +66,9 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
   what.add_argument("--head-cuts", type=_ints, default=(),
                     help="add a confidence_v<N> mode for each N: the confidence policy with "
                          "the draft's head cut to the first N token ids (e.g. 32768,65536)")
+  what.add_argument("--float-draft", action="store_true",
+                    help="add a confidence_f32 mode: the confidence policy with the draft's "
+                         "float weights (the default drafts with int8 ones on CPU)")
   what.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 128)")
   what.add_argument("--reps", type=int, help="timed repetitions; figures are medians (default 3)")
   what.add_argument("--stop-at-eos", action="store_true",

@@ -1,14 +1,15 @@
 """What one forward pass of the real target and draft costs at T new tokens.
 
     python -m bench.forward_cost [--target-t 1,2,5,9] [--draft-t 1,2] [--reps 8]
-                                 [--layouts cols,rows]
+                                 [--layouts cols,rows] [--draft-int8]
 
 Loads the real pair, jits `model.forward` on a cache of 512 slots holding 200
 tokens, and prints the median ms per call for each T and weight layout
 (`jspec.layout`: "cols" [in, out], what verifies use; "rows" [out, in], what
 target-only decoding of one prompt uses): the numbers behind the cost of a
 speculative round (gamma draft steps + one verify of gamma + 1) and behind
-the layout choice.
+the layout choice. --draft-int8 also measures the draft's int8 copy
+(`jspec.quant`, what `generate` drafts with on CPU).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jspec
 from jspec import cache as cache_lib
 from jspec import layout
 from jspec import model
+from jspec import quant
 
 
 def _median_ms(params, cfg, t: int, reps: int) -> float:
@@ -54,6 +56,8 @@ def main(argv=None) -> int:
   parser.add_argument("--draft-t", default="1,2")
   parser.add_argument("--reps", type=int, default=8)
   parser.add_argument("--layouts", default="cols", help="comma-separated: cols, rows")
+  parser.add_argument("--draft-int8", action="store_true",
+                      help="also measure the draft's int8 copy (after each layout pass)")
   args = parser.parse_args(argv)
   kinds = args.layouts.split(",")
   for kind in kinds:
@@ -71,6 +75,14 @@ def main(argv=None) -> int:
         costs[t] = _median_ms(m.params, m.cfg, t, args.reps)
         print(f"{name} ({kind}) T={t}: {costs[t]:.1f} ms", flush=True)
       out.setdefault(key, []).append(costs)  # one entry per pass: a layout may repeat
+      if name == "draft" and args.draft_int8:
+        int8 = quant.quantize(m.params)
+        costs = {}
+        for t in (int(x) for x in ts.split(",")):
+          costs[t] = _median_ms(int8, m.cfg, t, args.reps)
+          print(f"draft (int8) T={t}: {costs[t]:.1f} ms", flush=True)
+        out.setdefault("draft_int8", []).append(costs)
+        del int8
   print(json.dumps(out))
   return 0
 

@@ -102,7 +102,7 @@ def forward_bytes(params: Any, tie_word_embeddings: bool) -> int:
   """
   total = param_bytes(params)
   if not tie_word_embeddings:
-    total -= int(params["embed_tokens"]["embedding"].nbytes)
+    total -= param_bytes(params["embed_tokens"])  # `embedding`, or an int8 table and its scales
   return total
 
 

@@ -9,6 +9,9 @@ Mode names are the keys of the results JSON:
                     probability falls below --min-confidence
   confidence_v<N>   the same with the draft's output head cut to the first N
                     token ids (--head-cuts; jspec.generate's draft_vocab)
+  confidence_f32    the same with the draft's float weights, where the
+                    default drafts with int8 ones (--float-draft;
+                    jspec.generate's draft_int8=False)
   prompt_lookup     jspec, drafts copied from earlier n-grams (no draft model)
   lookup_model      jspec, prompt lookup where the last n-gram occurred before,
                     the draft model (confidence policy) where it did not
@@ -61,7 +64,7 @@ class Mode:
 
 def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: float,
               lookup_gamma: int, ngram: int, draft_vocab: Optional[int] = None,
-              head_cuts: Sequence[int] = ()) -> list[Mode]:
+              head_cuts: Sequence[int] = (), float_draft: bool = False) -> list[Mode]:
   """Every mode a default run measures, in report order.
 
   Args:
@@ -74,6 +77,8 @@ def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: fl
       draft-model mode (None: the full head).
     head_cuts: for each N, one more confidence mode whose draft head keeps
       the first N ids, so cuts compare with the full head in one run.
+    float_draft: one more confidence mode whose draft keeps its float
+      weights, to compare with the int8 draft of the default in one run.
 
   Returns:
     The modes.
@@ -98,6 +103,9 @@ def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: fl
   for cut in head_cuts:
     modes.append(Mode(f"confidence_v{cut}", "jspec", "adaptive",
                       {**confidence.kwargs, "draft_vocab": cut}))
+  if float_draft:
+    modes.append(Mode("confidence_f32", "jspec", "adaptive",
+                      {**confidence.kwargs, "draft_int8": False}))
   modes.append(Mode("prompt_lookup", "jspec", "lookup",
                     {"method": "prompt_lookup", "gamma": lookup_gamma, "ngram": ngram,
                      "policy": "fixed"}))

@@ -114,14 +114,24 @@ def _progress(where: str, name: str, mode: str, rec: dict[str, Any], base: Optio
   _log(f"{where}{name} {mode}: {rec['tokens_per_s']:.2f} tok/s{speed}{extra}{compile_s}")
 
 
-def _draft_bytes(bundle, mode: modes_lib.Mode, full: Optional[int]) -> Optional[int]:
-  """Weight bytes of one draft step in this mode: less when its head is cut to draft_vocab rows."""
-  cut = mode.kwargs.get("draft_vocab")
-  if full is None or cut is None:
-    return full
+def _draft_bytes(bundle, mode: modes_lib.Mode) -> Optional[int]:
+  """Weight bytes of one draft step in this mode: its int8 or float weights, its head cut or not.
+
+  Made ready here (outside any timing) when the mode runs the draft.
+  """
+  if bundle.draft is None or mode.kwargs.get("method") not in ("model", "lookup_model"):
+    return None
+  int8 = mode.kwargs.get("draft_int8")
+  if int8 is None:
+    int8 = api.draft_int8_default(api.platform(bundle))
+  weights = bundle.draft_weights(mode.kwargs.get("draft_vocab"), int8)
   cfg = bundle.draft.cfg
-  itemsize = bundle.draft.params["embed_tokens"]["embedding"].dtype.itemsize
-  return full - (cfg.vocab_size - cut) * cfg.hidden_size * itemsize
+  total = memory.forward_bytes(weights.params, cfg.tie_word_embeddings)
+  if weights.head is not None:  # the cut head is read in place of the full table
+    full = memory.param_bytes(weights.params["embed_tokens"] if cfg.tie_word_embeddings else
+                              {k: v for k, v in weights.params.items() if "lm_head" in k})
+    total += memory.param_bytes(weights.head) - full
+  return total
 
 
 def _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order) -> bool:
@@ -144,7 +154,6 @@ def _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order) -> bool:
   _log(f"loaded in {loaded.info['load_s']:.1f}s ({loaded.info['source']})")
   bundle = loaded.bundle
   t_bytes = loaded.info["target"]["forward_bytes"]
-  d_bytes = loaded.info["draft"]["forward_bytes"] if bundle.draft is not None else None
   for p in prompt_list:
     if p.name not in doc["prompts"]:
       ids, origin = _prompt_ids(p, loaded, hist_doc)
@@ -161,7 +170,7 @@ def _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order) -> bool:
       if results.has(doc, p.name, m.name):
         continue
       rec = engine.run_mode(bundle, entry["prompt_ids"], m, opts.max_new_tokens, opts.reps,
-                            opts.stop_at_eos, t_bytes, _draft_bytes(bundle, m, d_bytes))
+                            opts.stop_at_eos, t_bytes, _draft_bytes(bundle, m))
       # A mode's programs go once it is measured: no later record of this
       # prompt uses them, and kept for the next prompts they pile up (about
       # 150 MB per program pair, some 30 pairs over the suite) to 1.6x the
@@ -258,7 +267,7 @@ def run(opts: argparse.Namespace, argv: Optional[list[str]] = None) -> int:
   start = time.perf_counter()
   all_modes = modes_lib.all_modes(opts.gammas, opts.adaptive_gamma_max, opts.min_confidence,
                                   opts.lookup_gamma, opts.ngram, opts.draft_vocab,
-                                  opts.head_cuts)
+                                  opts.head_cuts, opts.float_draft)
   try:
     chosen = modes_lib.select(all_modes, opts.modes, hf=not opts.no_hf)
     prompt_list = _prompt_list(opts)

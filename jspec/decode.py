@@ -294,7 +294,7 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
 
 
 def _dtype(params) -> jnp.dtype:
-  return params["embed_tokens"]["embedding"].dtype
+  return model.compute_dtype(params)
 
 
 def _round(target_params, draft_params, state: State, spec: Spec) -> State:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from jspec import cache as cache_lib
 from jspec import config as config_lib
+from jspec import quant
 
 Params = Any  # nested dict of arrays, as returned by `init_params` or `convert`.
 
@@ -31,7 +32,8 @@ class Linear(nn.Module):
   """A dense layer whose weight is stored either way round (see `jspec.layout`).
 
   Params hold either `kernel` [in, out] (flax's layout, what the converters
-  write) or `weight` [out, in]. Which one is static pytree structure, so
+  write) or `weight` [out, in], or for an int8 draft `qweight` [out, in] and
+  `scale` [out] (`jspec.quant`). Which one is static pytree structure, so
   each layout compiles its own program.
   """
 
@@ -41,7 +43,11 @@ class Linear(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
-    if self.has_variable("params", "weight"):
+    if self.has_variable("params", "qweight"):
+      qweight = self.param("qweight", nn.initializers.zeros, (self.features, x.shape[-1]), jnp.int8)
+      scale = self.param("scale", nn.initializers.ones, (self.features,), jnp.float32)
+      y = quant.matmul(x, quant.Table(qweight, scale)).astype(self.dtype)
+    elif self.has_variable("params", "weight"):
       weight = self.param("weight", nn.initializers.zeros, (self.features, x.shape[-1]), self.dtype)
       y = jnp.einsum("...i,oi->...o", x, weight)
     else:
@@ -51,6 +57,25 @@ class Linear(nn.Module):
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
     return y
+
+
+class QuantEmbed(nn.Module):
+  """Token embedding from an int8 table with one scale per token (`jspec.quant`)."""
+
+  num_embeddings: int
+  features: int
+
+  def setup(self):
+    self.qembedding = self.param("qembedding", nn.initializers.zeros,
+                                 (self.num_embeddings, self.features), jnp.int8)
+    self.scale = self.param("scale", nn.initializers.ones, (self.num_embeddings,), jnp.float32)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D] float32
+    return self.qembedding[tokens].astype(jnp.float32) * self.scale[tokens][..., None]
+
+  def table(self) -> quant.Table:
+    """The table as the tied output head reads it."""
+    return quant.Table(self.qembedding, self.scale)
 
 
 class RMSNorm(nn.Module):
@@ -172,6 +197,7 @@ class Qwen2(nn.Module):
 
   cfg: config_lib.Qwen2Config
   dtype: jnp.dtype = jnp.float32
+  int8: bool = False  # weights in `jspec.quant`'s form
 
   @nn.compact
   def __call__(self, tokens, cache: cache_lib.KVCache, logits_at: Optional[jax.Array] = None,
@@ -183,7 +209,8 @@ class Qwen2(nn.Module):
       cache: the KV cache; row b's new tokens go at slots lengths[b] + [0, T).
       logits_at: optional [B, T'] indices into T: compute logits only there
         (prefill needs one position per row; the head is V x D per position).
-      head: optional [V', D] output table to use instead of the model's own:
+      head: optional [V', D] output table to use instead of the model's own
+        (a `quant.Table` for an int8 model):
         logits only for token ids 0..V'-1 (a cheaper draft head, sliced
         once outside the compiled program; see `jspec.drafters`).
 
@@ -191,8 +218,11 @@ class Qwen2(nn.Module):
       ([B, T or T', V or V'] float32 logits, cache with lengths advanced by T).
     """
     cfg = self.cfg
-    embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
-                     param_dtype=self.dtype, name="embed_tokens")
+    if self.int8:
+      embed = QuantEmbed(cfg.vocab_size, cfg.hidden_size, name="embed_tokens")
+    else:
+      embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
+                       param_dtype=self.dtype, name="embed_tokens")
     t = tokens.shape[1]
     starts = cache.lengths
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
@@ -205,13 +235,20 @@ class Qwen2(nn.Module):
       x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)  # [B, T', D]
     x = RMSNorm(cfg.rms_norm_eps, name="norm")(x)
     if cfg.tie_word_embeddings:
-      table = embed.embedding  # [V, D]
+      table = embed.table() if self.int8 else embed.embedding  # [V, D]
+    elif self.int8:
+      table = quant.Table(
+          self.param("qlm_head", nn.initializers.zeros, (cfg.vocab_size, cfg.hidden_size), jnp.int8),
+          self.param("qlm_head_scale", nn.initializers.ones, (cfg.vocab_size,), jnp.float32))
     else:
       table = self.param("lm_head", nn.initializers.normal(0.02),
                          (cfg.vocab_size, cfg.hidden_size), self.dtype)  # [V, D]
     if head is not None:
       table = head  # [V', D]
-    logits = jnp.einsum("BTD,VD->BTV", x, table, preferred_element_type=jnp.float32)
+    if isinstance(table, quant.Table):
+      logits = quant.matmul(x, table)
+    else:
+      logits = jnp.einsum("BTD,VD->BTV", x, table, preferred_element_type=jnp.float32)
     return logits, cache.replace(k=k_buf, v=v_buf, lengths=starts + t)
 
 
@@ -231,8 +268,16 @@ def forward(params: Params, cfg: config_lib.Qwen2Config, tokens: jax.Array,
   Returns:
     ([B, T', V'] float32 logits, updated cache).
   """
-  dtype = params["embed_tokens"]["embedding"].dtype
-  return Qwen2(cfg, dtype).apply({"params": params}, tokens, cache, logits_at, head)
+  int8 = quant.is_quantized(params)
+  return Qwen2(cfg, compute_dtype(params), int8).apply({"params": params}, tokens, cache,
+                                                      logits_at, head)
+
+
+def compute_dtype(params: Params) -> jnp.dtype:
+  """The dtype a model's activations and KV cache take: its params' (float32 for int8 weights)."""
+  if quant.is_quantized(params):
+    return jnp.dtype(jnp.float32)
+  return params["embed_tokens"]["embedding"].dtype
 
 
 def init_params(cfg: config_lib.Qwen2Config, key: jax.Array, dtype=jnp.float32,

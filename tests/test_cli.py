@@ -83,7 +83,8 @@ def test_sampling_options_match_generate(pair, bundle, capsys):
     (["--draft", "none"], dict(method="target")),
     (["--draft-vocab", "200"], dict(method="model", draft_vocab=200)),
     (["--draft", "lookup_model", "--ngram", "2"], dict(method="lookup_model", ngram=2)),
-], ids=["prompt_lookup", "none", "draft-vocab", "lookup_model"])
+    (["--float-draft"], dict(method="model", draft_int8=False)),
+], ids=["prompt_lookup", "none", "draft-vocab", "lookup_model", "float-draft"])
 def test_draft_methods_match_generate(pair, bundle, capsys, argv, options):
   want = jspec.generate(bundle, PROMPT, max_new_tokens=12, **options)
   code, out, _ = _run(capsys, ["generate", PROMPT, "--max-new-tokens", "12", "--json", *argv,
@@ -135,14 +136,14 @@ def test_every_generate_option_reaches_the_api(recorder, capsys):
       "generate", "hi", "--max-new-tokens", "7", "--temperature", "0.5", "--top-p", "0.75",
       "--top-k", "11", "--gamma", "2", "--gamma-max", "5", "--policy", "confidence",
       "--min-confidence", "0.25", "--seed", "9", "--draft", "prompt_lookup", "--ngram", "4",
-      "--draft-vocab", "200",
+      "--draft-vocab", "200", "--float-draft",
       "--model", "qwen2.5-coder", "--dtype", "bfloat16", "--json"])
   assert code == 0
   (kind, prompt, options), = recorder.calls
   assert (kind, prompt) == ("generate", "hi")
   assert options == dict(max_new_tokens=7, temperature=0.5, top_p=0.75, top_k=11, gamma=2,
                          gamma_max=5, policy="confidence", min_confidence=0.25, seed=9,
-                         method="prompt_lookup", ngram=4, draft_vocab=200)
+                         method="prompt_lookup", ngram=4, draft_vocab=200, draft_int8=False)
   # No draft model is loaded for prompt lookup: the pair's target alone.
   (target, draft, kwargs), = recorder.loads
   assert (target, draft) == (fetch.PAIRS["qwen2.5-coder"][0], None)
@@ -159,7 +160,7 @@ def test_defaults_and_paths_reach_load(recorder, capsys, pair):
   assert recorder.calls[-1][2] == dict(max_new_tokens=128, temperature=0.0, top_p=1.0, top_k=0,
                                        gamma=None, gamma_max=None, policy=api.DEFAULT_POLICY,
                                        min_confidence=0.5, seed=0, method="model", ngram=3,
-                                       draft_vocab=None)
+                                       draft_vocab=None, draft_int8=None)
   assert cli.main(["generate", "hi", *_paths(pair), "--tokenizer", str(pair[0])]) == 0
   target, draft, kwargs = recorder.loads[-1]
   assert (target, draft) == (str(pair[0]), str(pair[1]))

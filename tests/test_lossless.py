@@ -108,11 +108,12 @@ def chi_square_p(samples: np.ndarray, probs: np.ndarray) -> float:
 
 
 def draw(bundle, prompts: list[list[int]], spec: decode.Spec, n_new: int, seed: int,
-         draft_vocab: int | None = None) -> list[np.ndarray]:
+         draft_vocab: int | None = None, draft_int8: bool = False) -> list[np.ndarray]:
   """Samples N_ROWS generations of each prompt, all prompts mixed in one batch.
 
   Args:
     draft_vocab: cut the draft's head to the first ids (None: full head).
+    draft_int8: draft with the int8 copy of the draft (`jspec.quant`).
 
   Returns:
     Per prompt, [N_ROWS, n_new] new token ids.
@@ -124,7 +125,8 @@ def draw(bundle, prompts: list[list[int]], spec: decode.Spec, n_new: int, seed: 
     rows[i::len(prompts), :len(p)] = p  # interleave so prompts share rounds
     lengths[i::len(prompts)] = len(p)
   width = decode.buffer_width(p_width, n_new, spec.gamma_max)
-  dparams = bundle.draft_weights(draft_vocab) if spec.method in decode.DRAFT_METHODS else None
+  dparams = (bundle.draft_weights(draft_vocab, draft_int8)
+             if spec.method in decode.DRAFT_METHODS else None)
   state = decode.prefill(bundle.target.params, dparams, jnp.asarray(rows), jnp.asarray(lengths),
                          jnp.full((len(rows),), n_new, jnp.int32), jnp.zeros((0,), jnp.int32),
                          jax.random.key(seed),
@@ -154,6 +156,11 @@ CASES = {
                               ngram=2),
     # The draft can propose only ids 0..5: q = 0 on the rest of the vocabulary.
     "t1.0-g3-draft-head6": dict(samp=sampling.Sampling(1.0), gamma=3, draft_vocab=6),
+    # The int8 draft (the CPU default of `jspec.generate`): q is its own
+    # distribution, so the output is still the target's.
+    "t1.0-g3-int8": dict(samp=sampling.Sampling(1.0), gamma=3, draft_int8=True),
+    "t0.8-confidence-int8-head6": dict(samp=sampling.Sampling(0.8), gamma=4, policy="confidence",
+                                       min_confidence=0.4, draft_int8=True, draft_vocab=6),
 }
 
 
@@ -163,9 +170,10 @@ def test_first_three_tokens_follow_target(name):
   samp = case.pop("samp")
   bundle = tiny.pair(seed=3, scale=0.6)
   draft_vocab = case.pop("draft_vocab", None)
+  draft_int8 = case.pop("draft_int8", False)
   spec = decode.Spec(tiny.TARGET, tiny.DRAFT, case.pop("method", "model"), samp,
                      case.pop("gamma_max", case["gamma"]), **case)
-  samples = draw(bundle, PROMPTS, spec, 3, seed=11, draft_vocab=draft_vocab)
+  samples = draw(bundle, PROMPTS, spec, 3, seed=11, draft_vocab=draft_vocab, draft_int8=draft_int8)
   for prompt, got in zip(PROMPTS, samples):
     probs = exact_joint(bundle, prompt, 3, samp)
     p_value = chi_square_p(got, probs)

@@ -1,0 +1,126 @@
+"""Int8 weights for the draft: a cheaper proposer that costs no exactness.
+
+The draft only proposes tokens; rejection sampling against the target keeps
+the output distribution exactly the target's whatever q the draft used, as
+long as q is the distribution the drafts were actually drawn from, which it
+is (q comes from this same int8 forward). So the draft may be made cheaper
+in ways the target may not.
+
+XLA CPU runs an int8 x int8 -> int32 dot at the memory roof for two or more
+rows, reading a quarter of fp32's bytes, but falls back to a slow path for a
+single row (README "Design measurements"). `matmul` therefore pads one row
+to two. Weights are quantized per output channel, activations per row, both
+symmetric (W8A8 with dynamic activation scales).
+
+A quantized params tree has, in place of each dense `kernel`/`weight`:
+  `qweight` [out, in] int8 and `scale` [out] float32,
+and in place of `embed_tokens/embedding` (and an untied `lm_head`):
+  `qembedding` [V, D] int8 and `scale` [V] float32,
+so the tied output head is read as int8 too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DTYPES = ("float32", "int8")
+
+
+class Table(NamedTuple):
+  """An int8 [rows, cols] matrix with one float32 scale per row."""
+
+  q: jax.Array  # [R, C] int8
+  scale: jax.Array  # [R] float32
+
+  @property
+  def shape(self) -> tuple:
+    return self.q.shape
+
+
+def quantize_rows(matrix, block: int = 4096) -> Table:
+  """Symmetric int8 quantization with one scale per row.
+
+  Works through `block` rows at a time, so the float temporaries stay a few
+  MB even for a 151936-row embedding table (peak memory is what the bench
+  holds against its 1.3x-of-parameters budget).
+
+  Args:
+    matrix: [R, C] float array (numpy or jax).
+    block: rows per step.
+
+  Returns:
+    `Table(q [R, C] int8, scale [R] float32)` with matrix ~= q * scale[:, None].
+  """
+  m = np.asarray(matrix)
+  q = np.empty(m.shape, np.int8)
+  scale = np.empty(m.shape[0], np.float32)
+  for start in range(0, m.shape[0], block):
+    rows = np.asarray(m[start:start + block], np.float32)  # [block, C]
+    amax = np.max(np.abs(rows), axis=1)
+    s = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q[start:start + block] = np.clip(np.rint(rows / s[:, None]), -127, 127)
+    scale[start:start + block] = s
+  return Table(jnp.asarray(q), jnp.asarray(scale))
+
+
+def matmul(x: jax.Array, table: Table) -> jax.Array:
+  """x @ table.T with x quantized per row: [..., C] x [R, C] -> [..., R] float32.
+
+  Args:
+    x: [..., C] float activations.
+    table: the int8 weight, [R = out, C = in], per-row (per output) scales.
+
+  Returns:
+    [..., R] float32.
+  """
+  lead, c = x.shape[:-1], x.shape[-1]
+  rows = x.reshape(-1, c).astype(jnp.float32)  # [M, C]
+  m = rows.shape[0]
+  if m == 1:  # XLA CPU's int8 dot is slow for one row and at the memory roof for two
+    rows = jnp.concatenate([rows, rows], axis=0)
+  amax = jnp.max(jnp.abs(rows), axis=1, keepdims=True)  # [M, 1]
+  x_scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+  xq = jnp.clip(jnp.round(rows / x_scale), -127, 127).astype(jnp.int8)
+  acc = jax.lax.dot_general(xq, table.q, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.int32)  # [M, R]
+  y = acc.astype(jnp.float32) * x_scale * table.scale[None, :]
+  return y[:m].reshape(*lead, table.q.shape[0])
+
+
+def is_quantized(params: Dict[str, Any]) -> bool:
+  """Whether a params tree holds int8 weights (see the module docstring)."""
+  return "qembedding" in params["embed_tokens"]
+
+
+def quantize(params: Dict[str, Any]) -> Dict[str, Any]:
+  """An int8 copy of a model's params; the input is left as it was.
+
+  Every 2-D dense weight and the embedding table are quantized per output
+  row; biases and norm weights stay float32.
+
+  Args:
+    params: float params in either layout (`jspec.layout`).
+
+  Returns:
+    A new params tree in the quantized form.
+  """
+  def walk(node: Dict[str, Any]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for key, value in node.items():
+      if isinstance(value, dict):
+        out[key] = walk(value)
+      elif key in ("kernel", "weight") and getattr(value, "ndim", 0) == 2:
+        rows = np.asarray(value).T if key == "kernel" else value  # [out, in], a view
+        out["qweight"], out["scale"] = quantize_rows(rows)
+      elif key in ("embedding", "lm_head"):
+        name = "qembedding" if key == "embedding" else "qlm_head"
+        out[name], out[name + "_scale" if key == "lm_head" else "scale"] = quantize_rows(value)
+      else:
+        out[key] = value
+    return out
+
+  return walk(params)

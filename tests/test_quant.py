@@ -1,0 +1,119 @@
+"""jspec.quant: the int8 draft computes what the float one does, closely, and generate uses it on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+import tiny
+from jspec import cache as cache_lib
+from jspec import layout
+from jspec import model
+from jspec import quant
+
+
+def test_quantize_rows_is_within_half_a_step():
+  m = np.random.RandomState(0).randn(7, 13).astype(np.float32) * np.arange(1, 8)[:, None]
+  m[3] = 0.0  # an all-zero row must not divide by zero
+  table = quant.quantize_rows(m)
+  assert table.q.dtype == jnp.int8 and table.q.shape == (7, 13) and table.scale.shape == (7,)
+  back = np.asarray(table.q, np.float32) * np.asarray(table.scale)[:, None]
+  assert np.all(np.abs(back - m) <= np.asarray(table.scale)[:, None] / 2 + 1e-7)
+  assert np.all(np.asarray(table.q)[3] == 0)
+  # Each row's largest magnitude maps to +-127: the whole int8 range is used.
+  assert np.all(np.abs(np.asarray(table.q)).max(axis=1)[np.arange(7) != 3] == 127)
+
+
+@pytest.mark.parametrize("lead", [(1,), (3,), (2, 5)])
+def test_matmul_matches_the_float_product(lead):
+  # (1,) is one row, which `matmul` pads to two for XLA CPU's fast int8 dot.
+  rng = np.random.RandomState(len(lead))
+  w = rng.randn(29, 40).astype(np.float32)  # [out, in]
+  x = rng.randn(*lead, 40).astype(np.float32) * 3
+  got = np.asarray(quant.matmul(jnp.asarray(x), quant.quantize_rows(w)))
+  want = x @ w.T
+  assert got.shape == lead + (29,)
+  # Two int8 roundings: errors of about 1% of the output's spread.
+  assert np.max(np.abs(got - want)) < 0.03 * np.max(np.abs(want))
+  assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.999
+
+
+def _forward(params, cfg, tokens):
+  cache = cache_lib.init(cfg, tokens.shape[0], 32)
+  return model.forward(params, cfg, jnp.asarray(tokens), cache)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("kind", ["cols", "rows"])
+def test_int8_forward_is_close_to_float(tied, kind):
+  cfg = dataclasses.replace(tiny.TARGET, tie_word_embeddings=tied)
+  params = model.init_params(cfg, jax.random.key(0), scale=0.3)
+  layout.convert(params, kind)  # quantize reads either layout
+  q = quant.quantize(params)
+  assert quant.is_quantized(q) and not quant.is_quantized(params)
+  assert ("qlm_head" in q) == (not tied)
+  tokens = np.random.RandomState(1).randint(0, tiny.VOCAB, size=(2, 6)).astype(np.int32)
+  want, want_cache = _forward(params, cfg, tokens)
+  got, got_cache = _forward(q, cfg, tokens)
+  assert got.dtype == jnp.float32 and got_cache.k.dtype == jnp.float32
+  rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+  # Two layers of int8 roundings: 3.5-4.2% here; a wrong transpose or scale is ~100%.
+  assert rel(got, want) < 0.08
+  assert rel(got_cache.k, want_cache.k) < 0.04 and rel(got_cache.v, want_cache.v) < 0.04
+  assert np.mean(np.argmax(got, -1) == np.argmax(want, -1)) >= 0.9
+
+
+def test_quantize_leaves_the_float_params_alone():
+  params = model.init_params(tiny.DRAFT, jax.random.key(2))
+  before = jax.tree.map(np.array, params)
+  quant.quantize(params)
+  assert jax.tree.structure(params) == jax.tree.structure(before)
+  jax.tree.map(np.testing.assert_array_equal, params, before)
+
+
+def test_generate_drafts_in_int8_on_cpu_and_stays_exact():
+  bundle = tiny.pair(seed=4)
+  prompt = tiny.prompt(4, 9)
+  base = jspec.generate(bundle, prompt, max_new_tokens=24, method="target")
+  default = jspec.generate(bundle, prompt, max_new_tokens=24, gamma=3, policy="fixed")
+  floats = jspec.generate(bundle, prompt, max_new_tokens=24, gamma=3, policy="fixed",
+                          draft_int8=False)
+  assert default.token_ids == floats.token_ids == base.token_ids
+  assert default.stats["draft_int8"] is True and floats.stats["draft_int8"] is False
+  assert base.stats["draft_int8"] is None  # no draft ran
+  # The int8 copy is made once per bundle: the first call paid for it.
+  assert default.stats["quantize_s"] > 0 and floats.stats["quantize_s"] == 0
+  again = jspec.generate(bundle, prompt, max_new_tokens=24, gamma=3, policy="fixed")
+  assert again.stats["quantize_s"] == 0
+  weights = bundle.draft_weights(None, True)
+  assert quant.is_quantized(weights.params)
+  assert not quant.is_quantized(bundle.draft.params)
+
+
+def test_int8_draft_with_a_cut_head():
+  bundle = tiny.pair(seed=5)
+  cut = bundle.draft_weights(6, True).head
+  assert isinstance(cut, quant.Table) and cut.q.shape == (6, tiny.DRAFT.hidden_size)
+  full = quant.quantize(bundle.draft.params)
+  np.testing.assert_array_equal(cut.q, full["qlm_head"][:6])
+  prompt = tiny.prompt(5, 7)
+  base = jspec.generate(bundle, prompt, max_new_tokens=16, method="target")
+  out = jspec.generate(bundle, prompt, max_new_tokens=16, gamma=2, policy="fixed", draft_vocab=6)
+  assert out.token_ids == base.token_ids
+
+
+@pytest.mark.parametrize("bad", ["int8", 1, 0.5])
+def test_draft_int8_must_be_a_bool_or_none(bad):
+  with pytest.raises(ValueError, match="draft_int8"):
+    jspec.generate(tiny.pair(), [1, 2], max_new_tokens=2, draft_int8=bad)
+
+
+def test_int8_is_the_default_on_cpu_only():
+  assert jspec.api.draft_int8_default("cpu") is True
+  assert jspec.api.draft_int8_default("gpu") is False
+  assert jspec.api.draft_int8_default("tpu") is False
