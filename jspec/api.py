@@ -512,7 +512,7 @@ def generate(bundle: Bundle, prompt: Union[Prompt, Sequence[Prompt]], *,
     on first use), draft_int8 (whether the draft ran in int8; None when no
     draft model ran),
     prefill_s, decode_s and tokens_per_s (new tokens over prefill + decode,
-    compile and relayout excluded).
+    compile, relayout and quantization excluded).
   """
   single = isinstance(prompt, str) or (len(prompt) > 0 and isinstance(prompt[0], (int, np.integer)))
   prep = _prepare(bundle, prompt, max_new_tokens, temperature, top_k, top_p, gamma, gamma_max,
