@@ -6,9 +6,11 @@ long as q is the distribution the drafts were actually drawn from, which it
 is (q comes from this same int8 forward). So the draft may be made cheaper
 in ways the target may not.
 
-XLA CPU runs an int8 x int8 -> int32 dot at the memory roof for two or more
-rows, reading a quarter of fp32's bytes, but falls back to a slow path for a
-single row (README "Design measurements"). `matmul` therefore pads one row
+XLA CPU runs an int8 x int8 -> int32 dot through a fast kernel for two or
+more rows, reading a quarter of fp32's bytes (though at a lower rate: a
+whole draft step takes about half its fp32 time), but falls back to a path
+10-20x slower for a single row
+(README "Design measurements"). `matmul` therefore pads one row
 to two. Weights are quantized per output channel, activations per row, both
 symmetric (W8A8 with dynamic activation scales).
 
@@ -79,7 +81,7 @@ def matmul(x: jax.Array, table: Table) -> jax.Array:
   lead, c = x.shape[:-1], x.shape[-1]
   rows = x.reshape(-1, c).astype(jnp.float32)  # [M, C]
   m = rows.shape[0]
-  if m == 1:  # XLA CPU's int8 dot is slow for one row and at the memory roof for two
+  if m == 1:  # XLA CPU's int8 dot is 10-20x slower for one row than for two
     rows = jnp.concatenate([rows, rows], axis=0)
   amax = jnp.max(jnp.abs(rows), axis=1, keepdims=True)  # [M, 1]
   x_scale = jnp.where(amax > 0, amax / 127.0, 1.0)
