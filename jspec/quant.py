@@ -9,10 +9,9 @@ in ways the target may not.
 XLA CPU runs an int8 x int8 -> int32 dot through a fast kernel for two or
 more rows, reading a quarter of fp32's bytes (though at a lower rate: a
 whole draft step takes about half its fp32 time), but falls back to a path
-10-20x slower for a single row
-(README "Design measurements"). `matmul` therefore pads one row
-to two. Weights are quantized per output channel, activations per row, both
-symmetric (W8A8 with dynamic activation scales).
+10-20x slower for a single row (README "Design measurements"). `matmul`
+therefore pads one row to two. Weights are quantized per output channel,
+activations per row, both symmetric (W8A8 with dynamic activation scales).
 
 A quantized params tree has, in place of each dense `kernel`/`weight`:
   `qweight` [out, in] int8 and `scale` [out] float32,
