@@ -135,8 +135,7 @@ class Bundle:
 def _head_rows(params, cfg: config_lib.Qwen2Config, rows: int):
   """A copy of the first `rows` rows of a model's output table ([V', D], or a `quant.Table`)."""
   if quant.is_quantized(params):
-    table = (quant.Table(params["embed_tokens"]["qembedding"], params["embed_tokens"]["scale"])
-             if cfg.tie_word_embeddings else quant.Table(params["qlm_head"], params["qlm_head_scale"]))
+    table = quant.output_table(params, cfg.tie_word_embeddings)
     return quant.Table(jnp.array(table.q[:rows]), jnp.array(table.scale[:rows]))
   table = params["embed_tokens"]["embedding"] if cfg.tie_word_embeddings else params["lm_head"]
   return jnp.array(table[:rows])  # a copy: not a view of the full table

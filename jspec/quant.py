@@ -27,9 +27,6 @@ from typing import Any, Dict, NamedTuple
 import jax
 import jax.numpy as jnp
 
-DTYPES = ("float32", "int8")
-
-
 class Table(NamedTuple):
   """An int8 [rows, cols] matrix with one float32 scale per row."""
 
@@ -116,11 +113,19 @@ def quantize(params: Dict[str, Any]) -> Dict[str, Any]:
       elif key in ("kernel", "weight") and getattr(value, "ndim", 0) == 2:
         rows = jnp.asarray(value).T if key == "kernel" else value  # [out, in]
         out["qweight"], out["scale"] = quantize_rows(rows)
-      elif key in ("embedding", "lm_head"):
-        name = "qembedding" if key == "embedding" else "qlm_head"
-        out[name], out[name + "_scale" if key == "lm_head" else "scale"] = quantize_rows(value)
+      elif key == "embedding":  # inside embed_tokens, beside no other scale
+        out["qembedding"], out["scale"] = quantize_rows(value)
+      elif key == "lm_head":  # top level, beside the layers: a name of its own
+        out["qlm_head"], out["qlm_head_scale"] = quantize_rows(value)
       else:
         out[key] = value
     return out
 
   return walk(params)
+
+
+def output_table(params: Dict[str, Any], tied: bool) -> Table:
+  """The int8 output head of quantized params: the embedding table if tied, else `qlm_head`."""
+  if tied:
+    return Table(params["embed_tokens"]["qembedding"], params["embed_tokens"]["scale"])
+  return Table(params["qlm_head"], params["qlm_head_scale"])
