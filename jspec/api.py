@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Generator, Optional, Sequence, Union
+from typing import Any, Callable, Generator, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -55,12 +55,18 @@ class Bundle:
     tokenizer: text <-> ids (a `jspec.tokenizer.Tokenizer`), or None for id-only use.
     vocab_limit: ids at or past this are embedding padding, never sampled
       (set by `check_pair`); None when target and draft use every row.
+    reload_draft: reads the draft's float params again from their file (set
+      by `jspec.load`). With it the bundle frees the float draft once its
+      int8 copy is made, since the int8 draft is all that CPU decoding reads
+      by default, and reads the float one back only when a float draft is
+      asked for. None keeps the float draft.
   """
 
   target: Model
   draft: Optional[Model] = None
   tokenizer: Any = None
   vocab_limit: Optional[int] = None
+  reload_draft: Optional[Callable[[], Any]] = None
 
   def __post_init__(self):
     if self.draft is not None and self.vocab_limit is None:
@@ -91,16 +97,33 @@ class Bundle:
     if draft_vocab == cfg.vocab_size:
       draft_vocab = None
     if (draft_vocab, int8) not in self._draft_weights:
-      params = self.draft.params
       if int8:
         if self._draft_int8 is None:
-          self._draft_int8 = quant.quantize(params)
+          self._draft_int8 = quant.quantize(self._float_draft())
+          self._drop_float_draft()
         params = self._draft_int8
+      else:
+        params = self._float_draft()
       head = None
       if draft_vocab is not None:
         head = _head_rows(params, cfg, draft_vocab)
       self._draft_weights[(draft_vocab, int8)] = decode.DraftWeights(params, head)
     return self._draft_weights[(draft_vocab, int8)]
+
+  def _float_draft(self) -> Any:
+    """The draft's float params, read back from their file if they were freed."""
+    if self.draft.params is None:
+      self.draft.params = self.reload_draft()
+    return self.draft.params
+
+  def _drop_float_draft(self) -> None:
+    """Frees the float draft (2.5 GB for the real pair) when it can be read back."""
+    if self.reload_draft is None or self.draft.params is self.target.params:
+      return
+    # Cached float views (a cut head over the float table) would keep it alive.
+    for key in [k for k in self._draft_weights if not k[1]]:
+      del self._draft_weights[key]
+    self.draft.params = None
 
   def prepare_draft(self, draft_vocab: Optional[int], int8: bool) -> float:
     """Makes `draft_weights(draft_vocab, int8)` ready (see there).
@@ -109,9 +132,10 @@ class Bundle:
       Seconds spent (0 when it was ready already).
     """
     t0 = time.perf_counter()
-    # Work is making the int8 copy or cutting a head; a plain float draft needs none.
-    fresh = (int8 and self._draft_int8 is None) or (
-        draft_vocab is not None and (draft_vocab, int8) not in self._draft_weights)
+    # Work is making the int8 copy, reading back a freed float draft, or
+    # cutting a head; a float draft in memory needs none.
+    fresh = ((int8 and self._draft_int8 is None) or (not int8 and self.draft.params is None)
+             or (draft_vocab is not None and (draft_vocab, int8) not in self._draft_weights))
     self.draft_weights(draft_vocab, int8)
     return time.perf_counter() - t0 if fresh else 0.0
 
@@ -508,7 +532,7 @@ def generate(bundle: Bundle, prompt: Union[Prompt, Sequence[Prompt]], *,
     mean_tokens_per_round, accepted_histogram, gamma_trace, compile_s,
     relayout_s (time spent laying out the target, see `method`),
     quantize_s (time spent getting the draft's weights ready: the int8 copy
-    on first use), draft_int8 (whether the draft ran in int8; None when no
+    on first use, or reading back a float draft the bundle freed), draft_int8 (whether the draft ran in int8; None when no
     draft model ran),
     prefill_s, decode_s and tokens_per_s (new tokens over prefill + decode,
     compile, relayout and quantization excluded).

@@ -341,8 +341,16 @@ def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
       _convert_cached(path, source.sha256, dtype, progress)
   t_model = (_load_cached(t_path, t_source.sha256, dtype, progress) if t_source
              else _model(t_path, dtype, progress))
-  d_model = None
+  d_model, reload_draft = None, None
   if d_path is not None:
+    if d_source:
+      def reload_draft():
+        return _load_cached(d_path, d_source.sha256, dtype, False).params
+    else:
+      def reload_draft():
+        return _model(d_path, dtype).params
     d_model = (_load_cached(d_path, d_source.sha256, dtype, progress) if d_source
                else _model(d_path, dtype, progress))
-  return api.Bundle(t_model, d_model, tok)
+  # The bundle may free the float draft once its int8 copy exists and read it
+  # back from the same file if a float draft is asked for later.
+  return api.Bundle(t_model, d_model, tok, reload_draft=reload_draft)

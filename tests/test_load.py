@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -271,6 +272,12 @@ def test_known_pair_assembles_converts_once_then_reuses(fake_pair, monkeypatch, 
   _no_gguf_tokenizer(monkeypatch)
   second = jspec.load("fake-pair", progress=False)
   assert _ids(second) == _ids(first)
+  # The int8 default (CPU) freed the float draft; asking for it reads the
+  # converted file back, with no conversion (patched to fail above).
+  assert second.draft.params is None
+  floats = jspec.generate(second, PROMPT, max_new_tokens=8, draft_int8=False)
+  assert floats.token_ids == _ids(first) and floats.stats["quantize_s"] > 0
+  jax.tree.map(np.testing.assert_array_equal, second.draft.params, first.reload_draft())
   for attr in ("eos_token_ids", "chat_template", "bos_token", "eos_token", "vocab_size"):
     assert getattr(second.tokenizer, attr) == getattr(first.tokenizer, attr)
   # A single known model (and its alias) uses the same cache.

@@ -95,6 +95,42 @@ def test_generate_drafts_in_int8_on_cpu_and_stays_exact():
   assert not quant.is_quantized(bundle.draft.params)
 
 
+def test_a_reloadable_float_draft_is_freed_for_int8_and_read_back_on_request():
+  pair = tiny.pair(seed=6)
+  stored = pair.draft.params
+  reads = []
+
+  def reload():  # what `jspec.load` passes: a fresh read of the draft's file
+    reads.append(1)
+    return jax.tree.map(jnp.copy, stored)
+
+  bundle = jspec.Bundle(pair.target, jspec.Model(pair.draft.cfg, stored), reload_draft=reload)
+  prompt = tiny.prompt(6, 8)
+  base = jspec.generate(bundle, prompt, max_new_tokens=16, method="target")
+  cut = jspec.generate(bundle, prompt, max_new_tokens=16, gamma=2, policy="fixed",
+                       draft_int8=False, draft_vocab=6)  # a cached float view of the draft
+  default = jspec.generate(bundle, prompt, max_new_tokens=16, gamma=2, policy="fixed")
+  assert base.token_ids == cut.token_ids == default.token_ids
+  assert bundle.draft.params is None and not reads
+  # Nothing may keep the float draft alive: its cut head went with it.
+  assert all(int8 for _, int8 in bundle._draft_weights)
+  floats = jspec.generate(bundle, prompt, max_new_tokens=16, gamma=2, policy="fixed",
+                          draft_int8=False)
+  assert floats.token_ids == base.token_ids and reads == [1]
+  assert floats.stats["quantize_s"] > 0  # the read-back is preparation, not decode time
+  # Read back once, then kept: int8 and float calls no longer trade places.
+  jspec.generate(bundle, prompt, max_new_tokens=16, gamma=2, policy="fixed")
+  jspec.generate(bundle, prompt, max_new_tokens=16, gamma=2, policy="fixed", draft_int8=False)
+  assert reads == [1] and bundle.draft.params is not None
+
+
+def test_a_draft_that_is_the_target_is_never_freed():
+  pair = tiny.pair(seed=7)
+  bundle = jspec.Bundle(pair.target, pair.target, reload_draft=lambda: pytest.fail("reloaded"))
+  jspec.generate(bundle, tiny.prompt(7, 5), max_new_tokens=8, gamma=2, policy="fixed")
+  assert bundle.target.params is not None and bundle.draft.params is bundle.target.params
+
+
 def test_int8_draft_with_a_cut_head():
   bundle = tiny.pair(seed=5)
   cut = bundle.draft_weights(6, True).head
