@@ -194,7 +194,10 @@ def _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order) -> bool:
                    "peak_rss_over_param_bytes": peak / both if both else None,
                    "device_peak_bytes": memory.device_peak_bytes(),
                    "note": "peak RSS of the jspec process over the whole run (loading, "
-                           "compiling, decoding); the HF peers run in a child process"}
+                           "compiling, decoding) over the parameter bytes both models were "
+                           "loaded with; once the draft's int8 copy is made the bundle frees "
+                           "the float draft and reads it back only for a float-draft mode "
+                           "(jspec.Bundle.reload_draft); the HF peers run in a child process"}
   del loaded, bundle
   gc.collect()
   memory.release_freed()

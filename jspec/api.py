@@ -298,6 +298,8 @@ def _spec(bundle: Bundle, method: str, temperature: float, top_k: int, top_p: fl
   g_max = gamma if gamma_max is None else gamma_max
   if policy == "heuristic" and gamma_max is None:
     g_max = max(gamma, 8)
+  if isinstance(min_confidence, bool) or not isinstance(min_confidence, (int, float)):
+    raise ValueError(f"min_confidence={min_confidence!r}: expected a probability in [0, 1]")
   if policy == "confidence":
     # The confidence policy drafts up to gamma while the draft stays sure:
     # gamma is its cap, and verify width G + 1 should match it.

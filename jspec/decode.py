@@ -98,6 +98,8 @@ class Spec:
       raise ValueError(f"method {self.method!r} needs a draft config")
     if self.method in LOOKUP_METHODS and (not isinstance(self.ngram, int) or self.ngram < 1):
       raise ValueError(f"ngram={self.ngram!r}: expected an integer >= 1")
+    if not 0.0 <= self.min_confidence <= 1.0:  # also refuses nan
+      raise ValueError(f"min_confidence={self.min_confidence!r}: expected a probability in [0, 1]")
 
 
 @flax.struct.dataclass

@@ -44,6 +44,30 @@ def _draft_probs(logits: jax.Array, s: sampling.Sampling, vocab: int) -> jax.Arr
   return _fit_vocab(sampling.probs(logits, s), vocab)
 
 
+def _top_prob(logits: jax.Array, q: jax.Array, s: sampling.Sampling) -> jax.Array:
+  """The draft's confidence in its proposal: its most likely token's probability.
+
+  Sampling, that is q's top probability. Greedy, q is a point mass (always
+  1), so the draft's own softmax (temperature 1) is read instead.
+
+  Args:
+    logits: [B, V'] draft logits.
+    q: [B, vocab] the distribution the draft sampled from.
+    s: sampling settings.
+
+  Returns:
+    [B] float32 in (0, 1].
+  """
+  if not s.greedy:
+    return jnp.max(q, axis=-1)
+  logits = logits.astype(jnp.float32)
+  v = logits.shape[-1]
+  if s.vocab_limit is not None and s.vocab_limit < v:
+    logits = jnp.where(jnp.arange(v) < s.vocab_limit, logits, -jnp.inf)
+  # max softmax = exp(max - logsumexp): no [B, V'] probabilities written out.
+  return jnp.exp(jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1))
+
+
 def catch_up_widths(gamma_max: int, hybrid: bool) -> tuple[int, ...]:
   """Static chunk widths the draft's catch-up feeds (ascending).
 
@@ -151,7 +175,8 @@ def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
     gamma_max: G, the static number of draft slots.
     vocab: the target's vocabulary size (q is returned over it).
     min_confidence: stop drafting a row once the draft's most likely token
-      has probability below this (0 disables; the first draft always counts).
+      has probability below this (`_top_prob`: q's when sampling, the
+      draft's softmax when greedy; 0 disables; the first draft always counts).
     head: optional [V', D] truncated output table (the first V' token ids):
       the draft's head is over a quarter of its weight reads per step, and
       a q that is 0 on rare tokens costs only acceptance, never exactness.
@@ -173,7 +198,7 @@ def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
   q = jnp.zeros((b, gamma_max, vocab), jnp.float32).at[:, 0].set(q0)
   # A row keeps drafting while it wants more and stays confident.
   gamma_eff = jnp.ones((b,), jnp.int32)
-  going = (gamma > 1) & (jnp.max(q0, axis=-1) >= min_confidence)
+  going = (gamma > 1) & (_top_prob(logits0, q0, s) >= min_confidence)
 
   def cond(carry):
     i, _, _, _, _, going = carry
@@ -187,7 +212,7 @@ def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
     di = sampling.sample(jax.random.fold_in(key, i), qi, s)
     drafts = jax.lax.dynamic_update_slice_in_dim(drafts, di[:, None], i, axis=1)
     q = jax.lax.dynamic_update_slice_in_dim(q, qi[:, None], i, axis=1)
-    confident = jnp.max(qi, axis=-1) >= min_confidence
+    confident = _top_prob(logits[:, 0], qi, s) >= min_confidence
     take = going & confident
     gamma_eff = gamma_eff + take.astype(jnp.int32)
     going = take & (i + 1 < gamma)

@@ -166,6 +166,23 @@ def test_verify_runs_the_narrowest_width_that_holds_every_counted_draft():
           slots - int(starts[row]) - w), (counted, w)
 
 
+def test_confidence_policy_stops_an_unsure_greedy_draft():
+  # Greedy, q is a point mass (top probability always 1): the policy must
+  # read the draft's own softmax instead, or it never stops drafting.
+  bundle = tiny.pair(seed=14)
+  prompt = tiny.prompt(14, 6)
+  base = jspec.generate(bundle, prompt, max_new_tokens=24, method="target")
+  traces = {}
+  for threshold in (0.0, 0.3, 1.0):
+    out = jspec.generate(bundle, prompt, max_new_tokens=24, gamma=6, gamma_max=6,
+                         policy="confidence", min_confidence=threshold)
+    assert out.token_ids == base.token_ids
+    traces[threshold] = out.stats["gamma_trace"]
+  assert set(traces[0.0]) == {6}  # always sure enough
+  assert set(traces[1.0]) == {1}  # never: only the first draft counts
+  assert len(set(traces[0.3])) > 1 and min(traces[0.3]) < 6  # stops where the draft is unsure
+
+
 def test_batch_rows_equal_their_single_runs():
   bundle = tiny.pair(6)
   prompts = [tiny.prompt(i, n) for i, n in enumerate([3, 9, 1, 14])]
@@ -255,6 +272,9 @@ def test_stream_concatenates_to_generate_and_can_be_abandoned():
     (dict(method="prompt_lookup", ngram=0), "ngram"),
     (dict(method="bogus"), "method"),
     (dict(policy="bogus"), "policy"),
+    (dict(min_confidence=1.5), "min_confidence"),
+    (dict(min_confidence=float("nan")), "min_confidence"),
+    (dict(min_confidence="high"), "min_confidence"),
     (dict(draft_vocab=0), "draft_vocab"),
     (dict(draft_vocab=tiny.VOCAB + 1), "draft_vocab"),
 ])
