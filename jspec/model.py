@@ -28,6 +28,34 @@ from jspec import quant
 Params = Any  # nested dict of arrays, as returned by `init_params` or `convert`.
 
 
+def _param(module: nn.Module, name: str, init, shape: tuple, dtype) -> jax.Array:
+  """`module.param` without re-tracing the initializer when the value is stored.
+
+  flax checks a stored param by running its initializer under
+  `jax.eval_shape` on every call: over the decode program's seven forwards
+  that was a quarter of its trace time, which every new process pays even
+  when the compiled program comes from the persistent cache. The shape is
+  still checked, directly.
+
+  Args:
+    module: the module the param belongs to.
+    name, init, shape, dtype: as for `flax.linen.Module.param`.
+
+  Returns:
+    The stored value, or a freshly initialized one (`init_params`).
+
+  Raises:
+    ValueError: a stored value of another shape.
+  """
+  if not module.has_variable("params", name):
+    return module.param(name, init, shape, dtype)
+  value = module.get_variable("params", name)
+  if tuple(value.shape) != tuple(shape):
+    raise ValueError(f"param {'/'.join(module.scope.path)}/{name} has shape {tuple(value.shape)}: "
+                     f"expected {tuple(shape)}")
+  return value
+
+
 class Linear(nn.Module):
   """A dense layer whose weight is stored either way round (see `jspec.layout`).
 
@@ -44,18 +72,18 @@ class Linear(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
     if self.has_variable("params", "qweight"):
-      qweight = self.param("qweight", nn.initializers.zeros, (self.features, x.shape[-1]), jnp.int8)
-      scale = self.param("scale", nn.initializers.ones, (self.features,), jnp.float32)
+      qweight = _param(self, "qweight", nn.initializers.zeros, (self.features, x.shape[-1]), jnp.int8)
+      scale = _param(self, "scale", nn.initializers.ones, (self.features,), jnp.float32)
       y = quant.matmul(x, quant.Table(qweight, scale)).astype(self.dtype)
     elif self.has_variable("params", "weight"):
-      weight = self.param("weight", nn.initializers.zeros, (self.features, x.shape[-1]), self.dtype)
+      weight = _param(self, "weight", nn.initializers.zeros, (self.features, x.shape[-1]), self.dtype)
       y = jnp.einsum("...i,oi->...o", x, weight)
     else:
-      kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
+      kernel = _param(self, "kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
                           self.dtype)
       y = x @ kernel
     if self.use_bias:
-      y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+      y = y + _param(self, "bias", nn.initializers.zeros, (self.features,), self.dtype)
     return y
 
 
@@ -66,9 +94,9 @@ class QuantEmbed(nn.Module):
   features: int
 
   def setup(self):
-    self.qembedding = self.param("qembedding", nn.initializers.zeros,
+    self.qembedding = _param(self, "qembedding", nn.initializers.zeros,
                                  (self.num_embeddings, self.features), jnp.int8)
-    self.scale = self.param("scale", nn.initializers.ones, (self.num_embeddings,), jnp.float32)
+    self.scale = _param(self, "scale", nn.initializers.ones, (self.num_embeddings,), jnp.float32)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D] float32
     return self.qembedding[tokens].astype(jnp.float32) * self.scale[tokens][..., None]
@@ -85,7 +113,7 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:  # [..., D] -> [..., D]
-    weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), x.dtype)
+    weight = _param(self, "weight", nn.initializers.ones, (x.shape[-1],), x.dtype)
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return weight * x32.astype(x.dtype)
@@ -238,10 +266,10 @@ class Qwen2(nn.Module):
       table = embed.table() if self.int8 else embed.embedding  # [V, D]
     elif self.int8:
       table = quant.Table(
-          self.param("qlm_head", nn.initializers.zeros, (cfg.vocab_size, cfg.hidden_size), jnp.int8),
-          self.param("qlm_head_scale", nn.initializers.ones, (cfg.vocab_size,), jnp.float32))
+          _param(self, "qlm_head", nn.initializers.zeros, (cfg.vocab_size, cfg.hidden_size), jnp.int8),
+          _param(self, "qlm_head_scale", nn.initializers.ones, (cfg.vocab_size,), jnp.float32))
     else:
-      table = self.param("lm_head", nn.initializers.normal(0.02),
+      table = _param(self, "lm_head", nn.initializers.normal(0.02),
                          (cfg.vocab_size, cfg.hidden_size), self.dtype)  # [V, D]
     if head is not None:
       table = head  # [V', D]
