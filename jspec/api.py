@@ -534,8 +534,9 @@ def generate(bundle: Bundle, prompt: Union[Prompt, Sequence[Prompt]], *,
     mean_tokens_per_round, accepted_histogram, gamma_trace, compile_s,
     relayout_s (time spent laying out the target, see `method`),
     quantize_s (time spent getting the draft's weights ready: the int8 copy
-    on first use, or reading back a float draft the bundle freed), draft_int8 (whether the draft ran in int8; None when no
-    draft model ran),
+    on first use, or reading back a float draft the bundle freed),
+    draft_int8 (whether the draft ran in int8; None when no draft model
+    ran),
     prefill_s, decode_s and tokens_per_s (new tokens over prefill + decode,
     compile, relayout and quantization excluded).
   """

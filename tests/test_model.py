@@ -190,3 +190,15 @@ def test_mlp_matches(make_hf_model):
   params = {name: _dense(getattr(mlp, name)) for name in ("gate_proj", "up_proj", "down_proj")}
   got = model_lib.MLP(cfg, jnp.float32).apply({"params": params}, jnp.asarray(x))
   np.testing.assert_allclose(np.asarray(got), ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("key", ["kernel", "weight"])
+def test_a_stored_param_of_the_wrong_shape_is_named(key):
+  # model._param skips flax's own check (it re-traces the initializer on
+  # every call), so it must check the shape itself.
+  good = {"kernel": jnp.zeros((7, 5)), "weight": jnp.zeros((5, 7))}[key]
+  layer = model_lib.Linear(features=5, use_bias=False, dtype=jnp.float32)
+  x = jnp.ones((2, 7))
+  assert layer.apply({"params": {key: good}}, x).shape == (2, 5)
+  with pytest.raises(ValueError, match=rf"{key} has shape \(5, 5\): expected"):
+    layer.apply({"params": {key: jnp.zeros((5, 5))}}, x)
