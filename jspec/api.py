@@ -20,6 +20,7 @@ from jspec import config as config_lib
 from jspec import decode
 from jspec import fetch
 from jspec import layout
+from jspec import program_store
 from jspec import quant
 from jspec import sampling
 
@@ -332,17 +333,22 @@ class _Programs:
 
   def __init__(self):
     self.cache: dict[Any, Any] = {}
+    self.jitted: list[Any] = []  # the jitted callables behind them, whose caches hold them too
     self.compiles = 0  # how many programs this process compiled (tests read it)
+    self.stored = 0  # how many of those it lowered from `program_store` instead of tracing
 
-  def get(self, name: str, fn, args, static: dict):
+  def get(self, name: str, fn, args, static: dict, donate_argnums: tuple[int, ...] = ()):
     key = (name, tuple(sorted(static.items())), jax.tree.map(
         lambda x: (x.shape, x.dtype) if hasattr(x, "shape") else x, args))
     key = (key[0], key[1], str(key[2]))
     if key not in self.cache:
       enable_persistent_cache()
       t0 = time.perf_counter()
-      self.cache[key] = fn.lower(*args, **static).compile()
+      lowered, jitted, stored = program_store.lower(name, fn, args, static, donate_argnums)
+      self.cache[key] = lowered.compile()
+      self.jitted.append(jitted)
       self.compiles += 1
+      self.stored += stored
       return self.cache[key], time.perf_counter() - t0
     return self.cache[key], 0.0
 
@@ -354,8 +360,9 @@ class _Programs:
     nothing.
     """
     self.cache.clear()
-    decode.prefill.clear_cache()
-    decode.run.clear_cache()
+    for jitted in self.jitted + [decode.prefill, decode.run]:
+      jitted.clear_cache()
+    self.jitted.clear()
 
 
 PROGRAMS = _Programs()
@@ -454,7 +461,7 @@ def _programs(bundle: Bundle, prep: _Prepared, state_like=None):
   state_shape = pre.out_info  # the loop's input is prefill's output: no second trace
   run, t_run = PROGRAMS.get("run", decode.run,
                             (bundle.target.params, dparams, state_shape, jnp.int32(0)),
-                            {"spec": prep.spec})
+                            {"spec": prep.spec}, donate_argnums=(2,))  # run donates its state
   return dparams, pre, run, t_pre + t_run
 
 

@@ -223,8 +223,8 @@ def test_same_shapes_compile_once_and_run_all_rounds_in_one_dispatch(monkeypatch
   calls = []
   real_get = api.PROGRAMS.get
 
-  def counting_get(name, fn, args, static):
-    program, secs = real_get(name, fn, args, static)
+  def counting_get(name, fn, args, static, **kwargs):
+    program, secs = real_get(name, fn, args, static, **kwargs)
     def counted(*a):
       calls.append(name)
       return program(*a)

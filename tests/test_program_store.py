@@ -1,0 +1,121 @@
+"""The on-disk store of traced programs: a later process compiles without tracing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+import jspec
+import tiny
+from jspec import api
+from jspec import decode
+from jspec import program_store
+
+SETTINGS = dict(max_new_tokens=20, method="model", policy="confidence", gamma=4)
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+  """An empty store of this test's own, with the XLA cache on as `generate` turns it on."""
+  api.enable_persistent_cache()
+  monkeypatch.setattr(program_store, "store_dir", lambda: tmp_path / "programs")
+  api.release_programs()
+  return tmp_path / "programs"
+
+
+def _count_round_traces(monkeypatch) -> list:
+  """Counts how often the decode loop's round is traced (each trace calls `_round` once)."""
+  calls = []
+  real = decode._round
+
+  def counted(*args, **kwargs):
+    calls.append(1)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(decode, "_round", counted)
+  return calls
+
+
+def test_a_new_process_runs_the_stored_program_without_tracing(store, monkeypatch):
+  bundle = tiny.pair(5)
+  first = jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
+  assert sorted(p.name.split("-")[0] for p in store.iterdir()) == ["prefill", "run"]
+  api.release_programs()  # what a new process starts from: nothing compiled, nothing traced
+  stored, traces = api.PROGRAMS.stored, _count_round_traces(monkeypatch)
+  again = jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
+  assert traces == []
+  assert api.PROGRAMS.stored == stored + 2
+  assert again.token_ids == first.token_ids
+  assert again.stats["rounds"] == first.stats["rounds"]
+
+
+def test_changed_sources_trace_again(store, monkeypatch):
+  bundle = tiny.pair(5)
+  jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
+  api.release_programs()
+  # As if a jspec module had been edited: a new key, so the old program is not used.
+  monkeypatch.setattr(program_store, "source_digest", lambda: "edited")
+  traces = _count_round_traces(monkeypatch)
+  jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
+  assert traces == [1]
+  assert len(list(store.iterdir())) == 4
+
+
+def test_an_unreadable_stored_program_is_traced_again_and_replaced(store):
+  bundle = tiny.pair(5)
+  first = jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
+  for path in store.iterdir():
+    path.write_bytes(b"not a program")
+  api.release_programs()
+  with pytest.warns(RuntimeWarning, match="unreadable stored program"):
+    again = jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
+  assert again.token_ids == first.token_ids
+  api.release_programs()
+  stored = api.PROGRAMS.stored
+  jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)  # the rewritten files read back
+  assert api.PROGRAMS.stored == stored + 2
+
+
+def test_the_store_follows_the_xla_cache_switch(monkeypatch):
+  monkeypatch.setenv("JSPEC_XLA_CACHE", "0")
+  assert program_store.store_dir() is None
+
+
+def test_the_key_names_every_input_of_the_trace():
+  spec = {"spec": "a"}
+  base = program_store.program_key("run", ([1, 2],), spec)
+  assert program_store.program_key("run", ([1, 2],), spec) == base
+  assert program_store.program_key("prefill", ([1, 2],), spec) != base
+  assert program_store.program_key("run", ([1, 2],), {"spec": "b"}) != base
+  assert program_store.program_key("run", ((1, 2),), spec) != base  # tree structure
+  arrays = program_store.program_key("run", (jnp.zeros((2, 3)),), spec)
+  assert program_store.program_key("run", (jnp.zeros((3, 2)),), spec) != arrays
+  assert program_store.program_key("run", (jnp.zeros((2, 3), jnp.int32),), spec) != arrays
+
+
+_CHILD = """
+import json, sys
+import jspec, tiny
+from jspec import api
+out = jspec.generate(tiny.pair(5), tiny.prompt(1, 9), **json.loads(sys.argv[1]))
+print(json.dumps({"ids": out.token_ids, "stored": api.PROGRAMS.stored}))
+"""
+
+
+def test_a_second_process_reads_what_the_first_stored(tmp_path):
+  env = {**os.environ, "JSPEC_CACHE": str(tmp_path), "JSPEC_XLA_CACHE": "1",
+         "PYTHONPATH": os.pathsep.join([os.path.dirname(tiny.__file__),
+                                        os.environ.get("PYTHONPATH", "")])}
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  runs = []
+  for _ in range(2):
+    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(SETTINGS)], env=env,
+                          capture_output=True, text=True, check=True)
+    runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+  assert [r["stored"] for r in runs] == [0, 2]
+  assert runs[1]["ids"] == runs[0]["ids"]
