@@ -3,10 +3,11 @@
     python -m bench.compile_time [--gamma 4] [--policy fixed]
 
 Runs two fresh processes one after the other, both with JAX's persistent
-compilation cache pointed at the same new empty directory. The first
-compiles the prefill and decode-loop programs from nothing; the second finds
-them in the cache. Each reports `compile_s` from `jspec.generate` (model
-loading is timed apart and excluded).
+compilation cache pointed at the same new empty directory. The first traces
+and compiles the prefill and decode-loop programs from nothing; the second
+finds them in the cache (the lowered programs in `jspec.program_store`, the
+executables in XLA's cache). Each reports `compile_s` from `jspec.generate`
+(model loading is timed apart and excluded).
 """
 
 from __future__ import annotations
