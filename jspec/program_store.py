@@ -8,8 +8,8 @@ real pair that was 3.9 s of the 12 s a second process spent compiling
 executable). This store
 keeps each lowered program as a serialized `jax.export.Exported` beside
 the XLA cache, keyed by everything the program is traced from: jspec's
-source, the JAX/jaxlib/flax versions, the backend, the static settings and
-the argument shapes. A process that finds one deserializes it (tens of ms)
+source, the JAX/jaxlib/flax versions and the JAX settings that change
+tracing, the backend, the static settings and the argument shapes. A process that finds one deserializes it (tens of ms)
 and compiles `Exported.call`, which the XLA cache then answers.
 
 The first process lowers through the same `Exported.call`, so both
@@ -88,6 +88,11 @@ def source_digest() -> str:
   return h.hexdigest()
 
 
+# JAX settings that change what tracing produces without changing any argument.
+_TRACE_CONFIG = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
+                 "jax_threefry_partitionable", "jax_numpy_dtype_promotion")
+
+
 def _aval(x: Any) -> Any:
   if hasattr(x, "shape") and hasattr(x, "dtype"):
     return (tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)))
@@ -110,6 +115,7 @@ def program_key(name: str, args: Sequence[Any], static: dict) -> str:
   device = jax.devices()[0]
   parts = [source_digest(), name, jax.default_backend(), device.device_kind,
            repr(sorted(static.items())), str(tree), repr([_aval(x) for x in leaves])]
+  parts += [f"{flag}={getattr(jax.config, flag, None)}" for flag in _TRACE_CONFIG]
   return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:40]
 
 

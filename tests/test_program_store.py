@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -96,6 +97,8 @@ def test_the_key_names_every_input_of_the_trace():
   arrays = program_store.program_key("run", (jnp.zeros((2, 3)),), spec)
   assert program_store.program_key("run", (jnp.zeros((3, 2)),), spec) != arrays
   assert program_store.program_key("run", (jnp.zeros((2, 3), jnp.int32),), spec) != arrays
+  with jax.default_matmul_precision("highest"):  # a setting that changes the traced program
+    assert program_store.program_key("run", (jnp.zeros((2, 3)),), spec) != arrays
 
 
 _CHILD = """
