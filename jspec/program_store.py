@@ -5,12 +5,12 @@ process finds its executable only after tracing and lowering the Python
 program again, to compute the cache key. For the default decode loop of the
 real pair that was 3.9 s of the 12 s a second process spent compiling
 (tracing 3.1 s, lowering 0.8 s, timed by hand; the rest is XLA loading the
-executable). This store
-keeps each lowered program as a serialized `jax.export.Exported` beside
-the XLA cache, keyed by everything the program is traced from: jspec's
-source, the JAX/jaxlib/flax versions and the JAX settings that change
-tracing, the backend, the static settings and the argument shapes. A process that finds one deserializes it (tens of ms)
-and compiles `Exported.call`, which the XLA cache then answers.
+executable). This store keeps each lowered program as a serialized
+`jax.export.Exported` beside the XLA cache, keyed by everything the program
+is traced from: jspec's source, the JAX/jaxlib/flax versions and the JAX
+settings that change tracing, the backend, the static settings and the
+argument shapes. A process that finds one deserializes it (tens of ms) and
+compiles `Exported.call`, which the XLA cache then answers.
 
 The first process lowers through the same `Exported.call`, so both
 processes compile the same module and the XLA cache key matches.

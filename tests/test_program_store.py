@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -83,6 +84,11 @@ def test_an_unreadable_stored_program_is_traced_again_and_replaced(store):
 
 
 def test_the_store_follows_the_xla_cache_switch(monkeypatch):
+  api.enable_persistent_cache()
+  xla_dir = jax.config.jax_compilation_cache_dir
+  assert xla_dir  # set, so only the switch can turn the store off below
+  monkeypatch.setenv("JSPEC_XLA_CACHE", "1")
+  assert program_store.store_dir() == pathlib.Path(xla_dir) / "jspec-programs"
   monkeypatch.setenv("JSPEC_XLA_CACHE", "0")
   assert program_store.store_dir() is None
 
