@@ -38,7 +38,7 @@ MAX_BATCH = 64
 # always drafted 8; re-checked after it on five code prompts by hand, 0.5
 # still had the best median of thresholds 0.2-0.7, not by a bench command.)
 DEFAULT_POLICY = "confidence"
-DEFAULT_GAMMA = {"fixed": 4, "heuristic": 4, "confidence": 8}
+DEFAULT_GAMMA = {"fixed": 4, "heuristic": 4, "confidence": 8, "cumulative": 16}
 
 
 @dataclasses.dataclass
@@ -304,8 +304,8 @@ def _spec(bundle: Bundle, method: str, temperature: float, top_k: int, top_p: fl
     g_max = max(gamma, 8)
   if isinstance(min_confidence, bool) or not isinstance(min_confidence, (int, float)):
     raise ValueError(f"min_confidence={min_confidence!r}: expected a probability in [0, 1]")
-  if policy == "confidence":
-    # The confidence policy drafts up to gamma while the draft stays sure:
+  if policy in decode.STOPPING_POLICIES:
+    # These policies draft up to gamma while the draft stays sure:
     # gamma is its cap, and verify width G + 1 should match it.
     gamma = g_max
   draft_cfg = (dataclasses.replace(bundle.draft.cfg, eos_token_ids=())
@@ -520,12 +520,15 @@ def generate(bundle: Bundle, prompt: Union[Prompt, Sequence[Prompt]], *,
       the bundle's target params are converted in place, which takes a few
       seconds for the real target when the method changes.
     gamma: drafts per round: the fixed value, the heuristic's start, the
-      confidence policy's cap (default: `DEFAULT_GAMMA` of the policy).
+      confidence and cumulative policies' cap (default: `DEFAULT_GAMMA` of
+      the policy).
     gamma_max: static bound on gamma (default: gamma; 8 for the heuristic).
-    policy: "fixed", "heuristic" (+2 / -1) or "confidence" (stop drafting
+    policy: "fixed", "heuristic" (+2 / -1), "confidence" (stop drafting
       when the draft's top probability < min_confidence; the default, chosen
-      by the benchmark on the real pair: see README "Results").
-    min_confidence: threshold of the "confidence" policy.
+      by the benchmark on the real pair: see README "Results") or
+      "cumulative" (stop when the product of the round's top probabilities
+      < min_confidence; up to 16 drafts by default).
+    min_confidence: threshold of the "confidence" and "cumulative" policies.
     ngram: n-gram length for prompt lookup.
     seed: one seed reproduces one generation exactly.
     stop_at_eos: end a row at the tokenizer's (or config's) EOS tokens.

@@ -37,7 +37,7 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a closed pipe
 METHODS = {"model": "model", "prompt_lookup": "prompt_lookup", "lookup_model": "lookup_model",
            "none": "target"}
 DTYPES = ("float32", "bfloat16", "float16")
-POLICIES = ("fixed", "heuristic", "confidence")
+POLICIES = ("fixed", "heuristic", "confidence", "cumulative")
 
 
 class UsageError(Exception):
@@ -94,15 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--top-k", type=_number(int, 0), default=0, metavar="K",
                    help="keep the K most likely tokens; 0 is off (default: 0)")
   gen.add_argument("--gamma", type=_number(int, 1), default=None, metavar="G",
-                   help="draft tokens per round: fixed value, heuristic start, confidence cap "
-                        "(default: 4, 4, 8 by policy)")
+                   help="draft tokens per round: fixed value, heuristic start, confidence or "
+                        "cumulative cap (default: 4, 4, 8, 16 by policy)")
   gen.add_argument("--gamma-max", type=_number(int, 1), default=None, metavar="G",
-                   help="upper bound on gamma (default: gamma, or 8 for adaptive policies)")
+                   help="upper bound on gamma (default: gamma, or 8 for the heuristic)")
   gen.add_argument("--policy", choices=POLICIES, default=api.DEFAULT_POLICY,
-                   help="how gamma changes: fixed, heuristic (+2/-1), confidence "
+                   help="how gamma changes: fixed, heuristic (+2/-1), confidence (stop at an "
+                        "unsure draft), cumulative (stop when the product of the round's "
+                        "top probabilities is low) "
                         f"(default: {api.DEFAULT_POLICY})")
   gen.add_argument("--min-confidence", type=_number(float, 0.0, 1.0), default=0.5, metavar="C",
-                   help="the confidence policy's threshold (default: 0.5)")
+                   help="the confidence and cumulative policies' threshold (default: 0.5)")
   gen.add_argument("--seed", type=_number(int, 0, 2**32 - 1), default=0,
                    help="random seed; one seed reproduces one generation (default: 0)")
   gen.add_argument("--draft", choices=tuple(METHODS), default="model",

@@ -40,7 +40,8 @@ from jspec import speculative
 METHODS = ("target", "model", "prompt_lookup", "lookup_model")
 DRAFT_METHODS = ("model", "lookup_model")  # the methods that run a draft model
 LOOKUP_METHODS = ("prompt_lookup", "lookup_model")
-POLICIES = ("fixed", "heuristic", "confidence")
+POLICIES = ("fixed", "heuristic", "confidence", "cumulative")
+STOPPING_POLICIES = ("confidence", "cumulative")  # stop drafting on the draft's own probabilities
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +57,11 @@ class Spec:
     gamma: starting speculation length (1..G).
     policy: "fixed" keeps gamma; "heuristic" does +2 after a fully accepted
       round and -1 otherwise (HF); "confidence" drafts up to G but stops a row
-      once the draft's top probability is below `min_confidence`.
-    min_confidence: threshold of the "confidence" policy.
+      once the draft's top probability is below `min_confidence`;
+      "cumulative" stops it once the product of the draft's top
+      probabilities over the round's drafts is (the draft's own estimate
+      that every draft so far is accepted).
+    min_confidence: threshold of the "confidence" and "cumulative" policies.
     ngram: n-gram length for prompt lookup.
     dynamic_verify: verify only as many positions as the round's longest
       counted draft needs (rounded up to a width in `verify_widths`) rather
@@ -180,9 +184,11 @@ def buffer_width(prompt_width: int, max_new: int, gamma_max: int) -> int:
 def verify_widths(spec: Spec) -> tuple[int, ...]:
   """The static verify widths a round can pick from (ascending; the last is G + 1).
 
-  XLA CPU's matmul costs about 1 : 1.5 : 1.8 : 2.1 target steps at widths
-  1 : 2 : 5 : 9 (README, `python -m bench.forward_cost`), so 1, 2, 3 and
-  2^k + 1 cover the range with a few compiled branches. Width 1 (nothing
+  XLA CPU's matmul costs about 1 : 1.2 : 1.2 : 1.3 : 1.4 : 1.5 target steps at
+  widths 1 : 2 : 3 : 4 : 5 : 9 (README, `python -m bench.forward_cost`), so
+  3 and 2^k + 1 cover the range with a few compiled branches. There is no
+  width 2: it costs what width 3 does, and a round that counted one draft
+  gets a second one free in width 3 (`_fill_verify`). Width 1 (nothing
   drafted) only happens with prompt lookup: a draft model always counts its
   first draft.
 
@@ -195,7 +201,7 @@ def verify_widths(spec: Spec) -> tuple[int, ...]:
   full = spec.gamma_max + 1
   if not spec.dynamic_verify or spec.gamma_max == 0:
     return (full,)
-  widths = {full, 2, 3} | {2**k + 1 for k in range(2, full.bit_length())}
+  widths = {full, 3} | {2**k + 1 for k in range(2, full.bit_length())}
   if spec.method == "prompt_lookup":
     widths.add(1)
   return tuple(sorted(w for w in widths if w <= full))
@@ -232,6 +238,36 @@ def _verify(params, spec: Spec, chunk: jax.Array, tcache: cache_lib.KVCache,
   # The first width that holds x_{n-1} and every row's counted drafts.
   index = jnp.searchsorted(jnp.asarray(widths, jnp.int32), jnp.max(counted) + 1)
   return jax.lax.switch(index, [branch(w) for w in widths], chunk, tcache)
+
+
+def _fill_verify(spec: Spec, counted: jax.Array, ready: jax.Array, done: jax.Array) -> jax.Array:
+  """Counts the ready drafts that fit in the verify the round pays for anyway.
+
+  The verify runs the narrowest compiled width holding every row's counted
+  drafts plus x_{n-1} (`_verify`), so its last positions may be spare. The
+  draft model has often computed more drafts than it counted: the one whose
+  low confidence stopped the row, or those a row ran while another row kept
+  the loop going. Counting them into the spare positions costs no draft
+  step and no wider verify, and can only add tokens: accepted, a draft
+  emits one more; rejected, the round emits the same target token it would
+  have emitted there anyway. The count depends on draft-side values only,
+  so acceptance stays exact (any stopping rule that does not look at the
+  target is allowed).
+
+  Args:
+    spec: static settings (`verify_widths`).
+    counted: [B] int32 drafts counted per row.
+    ready: [B] int32 drafts the draft model computed per row (>= counted).
+    done: [B] bool finished rows (they neither count nor widen the verify).
+
+  Returns:
+    [B] int32 drafts to count: between `counted` and `ready`, at most the
+    chosen width - 1.
+  """
+  widths = jnp.asarray(verify_widths(spec), jnp.int32)
+  need = jnp.max(jnp.where(done, 0, counted)) + 1
+  width = widths[jnp.minimum(jnp.searchsorted(widths, need), len(widths) - 1)]
+  return jnp.maximum(counted, jnp.minimum(ready, width - 1))
 
 
 def _is_eos(tokens: jax.Array, eos: jax.Array) -> jax.Array:
@@ -312,6 +348,7 @@ def _round(target_params, draft_params, state: State, spec: Spec) -> State:
   if spec.method in DRAFT_METHODS:
     drafts, q, gamma_eff, steps, used_model, dcache = _draft_with_model(
         draft_params, state, spec, draft_key, vocab)
+    gamma_eff = _fill_verify(spec, gamma_eff, jnp.where(used_model, steps, gamma_eff), state.done)
   elif spec.method == "prompt_lookup":
     drafts, q, gamma_eff = drafters.prompt_lookup(
         state.tokens, state.seq_len, state.gamma, g, spec.ngram, vocab)
@@ -382,13 +419,14 @@ def _draft_with_model(draft_params, state: State, spec: Spec, key: jax.Array, vo
     draft model, draft cache).
   """
   g = spec.gamma_max
-  min_confidence = spec.min_confidence if spec.policy == "confidence" else 0.0
+  min_confidence = spec.min_confidence if spec.policy in STOPPING_POLICIES else 0.0
   widths = drafters.catch_up_widths(g, spec.method == "lookup_model")
 
   def run_model(gamma):
     return drafters.draft_model(
         draft_params.params, spec.draft, state.draft_cache, state.tokens, state.seq_len, gamma,
-        key, spec.sampling, g, vocab, min_confidence, draft_params.head, state.draft_len, widths)
+        key, spec.sampling, g, vocab, min_confidence, draft_params.head, state.draft_len, widths,
+        cumulative=spec.policy == "cumulative")
 
   if spec.method == "model":
     drafts, q, gamma_eff, steps, dcache = run_model(state.gamma)

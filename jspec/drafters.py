@@ -154,7 +154,8 @@ def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
                 tokens: jax.Array, seq_len: jax.Array, gamma: jax.Array, key: jax.Array,
                 s: sampling.Sampling, gamma_max: int, vocab: int,
                 min_confidence: float = 0.0, head: Optional[jax.Array] = None,
-                draft_len: Optional[jax.Array] = None, widths: tuple[int, ...] = (1, 2)):
+                draft_len: Optional[jax.Array] = None, widths: tuple[int, ...] = (1, 2),
+                cumulative: bool = False):
   """Drafts up to gamma tokens per row with the draft model, sampling each from q.
 
   Step 0 brings the draft up to date (`_first_step`) and proposes d_1; step
@@ -183,6 +184,10 @@ def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
     draft_len: [B] int32 leading tokens of each row the draft cache holds
       (None: all but the last two, the most a normal round leaves it lacking).
     widths: static catch-up chunk widths (`catch_up_widths`).
+    cumulative: compare `min_confidence` with the product of the top
+      probabilities of the row's drafts so far (the draft's estimate that
+      all of them are accepted; it is well calibrated on the real pair, see
+      README) rather than with each draft's own.
 
   Returns:
     (drafts [B, G] int32, q [B, G, vocab] float32, gamma_eff [B] int32,
@@ -198,28 +203,31 @@ def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
   q = jnp.zeros((b, gamma_max, vocab), jnp.float32).at[:, 0].set(q0)
   # A row keeps drafting while it wants more and stays confident.
   gamma_eff = jnp.ones((b,), jnp.int32)
-  going = (gamma > 1) & (_top_prob(logits0, q0, s) >= min_confidence)
+  sure = _top_prob(logits0, q0, s)  # [B] the product so far, when cumulative
+  going = (gamma > 1) & (sure >= min_confidence)
 
   def cond(carry):
-    i, _, _, _, _, going = carry
+    i, _, _, _, _, going, _ = carry
     return (i < gamma_max) & jnp.any(going)
 
   def body(carry):
-    i, dcache, drafts, q, gamma_eff, going = carry
+    i, dcache, drafts, q, gamma_eff, going, sure = carry
     prev = jax.lax.dynamic_slice_in_dim(drafts, i - 1, 1, axis=1)  # [B, 1] d_i
     logits, dcache = model.forward(params, cfg, prev, dcache, head=head)
     qi = _draft_probs(logits[:, 0], s, vocab)  # [B, V]
     di = sampling.sample(jax.random.fold_in(key, i), qi, s)
     drafts = jax.lax.dynamic_update_slice_in_dim(drafts, di[:, None], i, axis=1)
     q = jax.lax.dynamic_update_slice_in_dim(q, qi[:, None], i, axis=1)
-    confident = _top_prob(logits[:, 0], qi, s) >= min_confidence
-    take = going & confident
+    top = _top_prob(logits[:, 0], qi, s)
+    if cumulative:
+      top = top * sure
+    take = going & (top >= min_confidence)
     gamma_eff = gamma_eff + take.astype(jnp.int32)
     going = take & (i + 1 < gamma)
-    return i + 1, dcache, drafts, q, gamma_eff, going
+    return i + 1, dcache, drafts, q, gamma_eff, going, jnp.where(take, top, sure)
 
-  steps, dcache, drafts, q, gamma_eff, _ = jax.lax.while_loop(
-      cond, body, (jnp.int32(1), dcache, drafts, q, gamma_eff, going))
+  steps, dcache, drafts, q, gamma_eff, _, _ = jax.lax.while_loop(
+      cond, body, (jnp.int32(1), dcache, drafts, q, gamma_eff, going, sure))
   return drafts, q, jnp.minimum(gamma_eff, gamma), steps, dcache
 
 

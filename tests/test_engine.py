@@ -27,6 +27,7 @@ SETTINGS = [
     dict(method="model", gamma=3, policy="fixed"),
     dict(method="model", gamma=2, gamma_max=5, policy="heuristic"),
     dict(method="model", gamma=5, policy="confidence", min_confidence=0.5, gamma_max=5),
+    dict(method="model", gamma=6, policy="cumulative", min_confidence=0.3, gamma_max=6),
     dict(method="model", gamma=3, draft_vocab=5, policy="fixed"),
     dict(method="model"),  # the defaults
     dict(method="prompt_lookup", gamma=3, ngram=1, policy="fixed"),
@@ -143,9 +144,9 @@ def test_verify_runs_the_narrowest_width_that_holds_every_counted_draft():
   bundle = tiny.pair(11)
   params = bundle.target.params
   spec = decode.Spec(tiny.TARGET, None, "prompt_lookup", sampling.Sampling(), 8, 8)
-  assert decode.verify_widths(spec) == (1, 2, 3, 5, 9)
+  assert decode.verify_widths(spec) == (1, 3, 5, 9)
   assert decode.verify_widths(dataclasses.replace(spec, method="model", draft=tiny.DRAFT)) \
-      == (2, 3, 5, 9)
+      == (3, 5, 9)
   assert decode.verify_widths(dataclasses.replace(spec, dynamic_verify=False)) == (9,)
   slots, starts = 32, jnp.asarray([6, 9])
   _, cache = model.forward(params, tiny.TARGET, jnp.asarray([tiny.prompt(11, 9)] * 2),
@@ -156,7 +157,7 @@ def test_verify_runs_the_narrowest_width_that_holds_every_counted_draft():
   cache = cache.replace(k=jnp.where(free, 123.0, cache.k))
   chunk = jnp.asarray([tiny.prompt(12, 9), tiny.prompt(13, 9)])  # [2, G+1]
   full, _ = model.forward(params, tiny.TARGET, chunk, cache)
-  for counted, w in [((0, 0), 1), ((1, 0), 2), ((0, 2), 3), ((3, 1), 5), ((4, 4), 5),
+  for counted, w in [((0, 0), 1), ((1, 0), 3), ((0, 2), 3), ((3, 1), 5), ((4, 4), 5),
                      ((5, 0), 9), ((8, 8), 9)]:
     logits, out = decode._verify(params, spec, chunk, cache, jnp.asarray(counted))
     for row, c in enumerate(counted):
@@ -164,6 +165,19 @@ def test_verify_runs_the_narrowest_width_that_holds_every_counted_draft():
       written = np.any(np.asarray(out.k[:, row]) != 123.0, axis=(0, 2, 3))  # [S]
       assert written.tolist() == [True] * (int(starts[row]) + w) + [False] * (
           slots - int(starts[row]) - w), (counted, w)
+
+
+def test_fill_verify_counts_ready_drafts_only_into_spare_positions():
+  spec = decode.Spec(tiny.TARGET, tiny.DRAFT, "model", sampling.Sampling(), 8, 8)  # widths 3, 5, 9
+  fill = lambda counted, ready, done=(False, False): decode._fill_verify(
+      spec, jnp.asarray(counted), jnp.asarray(ready), jnp.asarray(done)).tolist()
+  assert fill((1, 1), (2, 2)) == [2, 2]  # one counted: width 3 holds a second
+  assert fill((3, 1), (4, 4)) == [4, 4]  # width 5: up to 4 drafts, no more than ready
+  assert fill((4, 2), (5, 5)) == [4, 4]  # width 5 is full: nothing past it
+  assert fill((5, 1), (6, 6)) == [6, 6]  # width 9, but only 6 were computed
+  assert fill((2, 2), (2, 2)) == [2, 2]  # nothing ready beyond the counted
+  # A finished row neither widens the verify nor stops the others filling it.
+  assert fill((8, 1), (8, 8), (True, False)) == [8, 2]
 
 
 def test_confidence_policy_stops_an_unsure_greedy_draft():
@@ -181,6 +195,22 @@ def test_confidence_policy_stops_an_unsure_greedy_draft():
   assert set(traces[0.0]) == {6}  # always sure enough
   assert set(traces[1.0]) == {1}  # never: only the first draft counts
   assert len(set(traces[0.3])) > 1 and min(traces[0.3]) < 6  # stops where the draft is unsure
+
+
+def test_cumulative_policy_stops_once_the_product_of_top_probabilities_is_low():
+  bundle = tiny.pair(seed=14)
+  prompt = tiny.prompt(14, 6)
+  base = jspec.generate(bundle, prompt, max_new_tokens=24, method="target")
+  kw = dict(max_new_tokens=24, gamma=6, gamma_max=6, min_confidence=0.3)
+  drafted = {}
+  for policy in ("confidence", "cumulative"):
+    out = jspec.generate(bundle, prompt, policy=policy, **kw)
+    assert out.token_ids == base.token_ids
+    drafted[policy] = out.stats["gamma_trace"]
+  # Each round's product is at most each of its factors: the cumulative
+  # policy counts fewer drafts per round than the per-draft one.
+  assert np.mean(drafted["cumulative"]) < np.mean(drafted["confidence"]) - 0.5
+  assert min(drafted["cumulative"]) < 6 < max(drafted["confidence"]) + 1
 
 
 def test_batch_rows_equal_their_single_runs():

@@ -149,6 +149,8 @@ CASES = {
                                    gamma_max=4, policy="heuristic"),
     "t1.0-confidence": dict(samp=sampling.Sampling(1.0), gamma=4, policy="confidence",
                             min_confidence=0.4),
+    "t1.0-cumulative": dict(samp=sampling.Sampling(1.0), gamma=4, policy="cumulative",
+                            min_confidence=0.2),
     "lookup-t1.0": dict(samp=sampling.Sampling(1.0), gamma=3, method="prompt_lookup", ngram=1),
     # The second prompt's last 2-gram occurred before (lookup drafts), the
     # first's did not (the draft model drafts): both kinds of q in one batch.
