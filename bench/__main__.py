@@ -56,8 +56,10 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
   what.add_argument("--gammas", type=_ints, help="fixed gammas (default 1,2,...,8)")
   what.add_argument("--adaptive-gamma-max", type=int, default=8,
                     help="static gamma bound of the adaptive policies (default 8)")
+  what.add_argument("--cumulative-gamma-max", type=int, default=16,
+                    help="static gamma bound of the cumulative policy (default 16)")
   what.add_argument("--min-confidence", type=float, default=0.5,
-                    help="threshold of the confidence policy (default 0.5)")
+                    help="threshold of the confidence and cumulative policies (default 0.5)")
   what.add_argument("--lookup-gamma", type=int, default=4, help="prompt lookup drafts (default 4)")
   what.add_argument("--ngram", type=int, default=3, help="prompt lookup n-gram (default 3)")
   what.add_argument("--draft-vocab", type=int,
@@ -114,6 +116,7 @@ def _defaults(opts: argparse.Namespace) -> argparse.Namespace:
     opts.bandwidth_bytes = (64 << 20) if smoke else (1 << 30)
   if smoke:
     opts.adaptive_gamma_max = min(opts.adaptive_gamma_max, max(opts.gammas) + 1)
+    opts.cumulative_gamma_max = min(opts.cumulative_gamma_max, max(opts.gammas) + 1)
   if opts.random_weights and opts.modes is None:
     # On random weights only round costs mean anything: target, fixed gammas, the HF target.
     opts.modes = "target,spec,hf_target"

@@ -7,6 +7,9 @@ Mode names are the keys of the results JSON:
   heuristic         jspec, draft model, gamma +2 after a fully accepted round, -1 otherwise
   confidence        jspec, draft model, drafting stops when the draft's top
                     probability falls below --min-confidence
+  cumulative        jspec, draft model, drafting stops when the product of the
+                    draft's top probabilities over the round falls below
+                    --min-confidence (up to --cumulative-gamma-max drafts)
   confidence_v<N>   the same with the draft's output head cut to the first N
                     token ids (--head-cuts; jspec.generate's draft_vocab)
   confidence_f32    the same with the draft's float weights, where the
@@ -27,7 +30,7 @@ from typing import Any, Optional, Sequence
 HF_MODES = ("hf_target", "hf_assisted")
 GROUPS = {
     "spec": "every spec_g<G> of --gammas",
-    "adaptive": "heuristic and confidence",
+    "adaptive": "heuristic, confidence and cumulative",
     "lookup": "prompt_lookup and lookup_model",
     "hf": "hf_target and hf_assisted",
     "jspec": "every jspec mode",
@@ -64,13 +67,14 @@ class Mode:
 
 def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: float,
               lookup_gamma: int, ngram: int, draft_vocab: Optional[int] = None,
-              head_cuts: Sequence[int] = (), float_draft: bool = False) -> list[Mode]:
+              head_cuts: Sequence[int] = (), float_draft: bool = False,
+              cumulative_gamma_max: int = 16) -> list[Mode]:
   """Every mode a default run measures, in report order.
 
   Args:
     gammas: fixed gammas for the spec_g<G> modes.
     adaptive_gamma_max: static gamma bound of the adaptive policies.
-    min_confidence: threshold of the "confidence" policy.
+    min_confidence: threshold of the "confidence" and "cumulative" policies.
     lookup_gamma: drafts per round of prompt lookup.
     ngram: n-gram length of prompt lookup.
     draft_vocab: cut the draft's output head to this many ids in every
@@ -79,6 +83,8 @@ def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: fl
       the first N ids, so cuts compare with the full head in one run.
     float_draft: one more confidence mode whose draft keeps its float
       weights, to compare with the int8 draft of the default in one run.
+    cumulative_gamma_max: static gamma bound of the cumulative policy (its
+      product of probabilities stops rounds by itself, so its cap is higher).
 
   Returns:
     The modes.
@@ -100,6 +106,9 @@ def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: fl
                     {**draft, "gamma": g_max, "gamma_max": g_max,
                      "policy": "confidence", "min_confidence": min_confidence}))
   confidence = modes[-1]
+  modes.append(Mode("cumulative", "jspec", "adaptive",
+                    {**draft, "gamma": cumulative_gamma_max, "gamma_max": cumulative_gamma_max,
+                     "policy": "cumulative", "min_confidence": min_confidence}))
   for cut in head_cuts:
     modes.append(Mode(f"confidence_v{cut}", "jspec", "adaptive",
                       {**confidence.kwargs, "draft_vocab": cut}))

@@ -334,7 +334,7 @@ def targets(doc: dict[str, Any]) -> dict[str, Any]:
   check("target_roofline_fraction", base.get("roofline_fraction"), 0.85)
   check("target_speedup_vs_hf_target", base.get("speedup_vs_hf_target"), 2.0)
   drafted = {m: r for m, r in s.items()
-             if m.startswith(("spec_g", "confidence")) or m == "heuristic"}
+             if m.startswith(("spec_g", "confidence")) or m in ("heuristic", "cumulative")}
   code = {m: r.get("by_kind", {}).get("code", {}) for m, r in drafted.items()}
   best = max((m for m in code if code[m].get("speedup_vs_target") is not None),
              key=lambda m: code[m]["speedup_vs_target"], default=None)
