@@ -166,7 +166,7 @@ def test_mode_selection():
     names("spec_g9")
   cuts = modes_lib.all_modes([2], 8, 0.5, 4, 3, head_cuts=[100, 200], float_draft=True)
   adaptive = {m.name: m.kwargs for m in modes_lib.select(cuts, "adaptive", hf=False)}
-  assert list(adaptive) == ["target", "heuristic", "confidence", "confidence_v100",
+  assert list(adaptive) == ["target", "heuristic", "confidence", "cumulative", "confidence_v100",
                             "confidence_v200", "confidence_f32"]
   assert adaptive["confidence_v200"] == {**adaptive["confidence"], "draft_vocab": 200}
   assert adaptive["confidence_f32"] == {**adaptive["confidence"], "draft_int8": False}
