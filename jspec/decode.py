@@ -59,8 +59,8 @@ class Spec:
       round and -1 otherwise (HF); "confidence" drafts up to G but stops a row
       once the draft's top probability is below `min_confidence`;
       "cumulative" stops it once the product of the draft's top
-      probabilities over the round's drafts is (the draft's own estimate
-      that every draft so far is accepted).
+      probabilities over the round's drafts is below `min_confidence` (the
+      draft's own estimate that every draft so far is accepted).
     min_confidence: threshold of the "confidence" and "cumulative" policies.
     ngram: n-gram length for prompt lookup.
     dynamic_verify: verify only as many positions as the round's longest

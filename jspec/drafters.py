@@ -185,9 +185,8 @@ def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
       (None: all but the last two, the most a normal round leaves it lacking).
     widths: static catch-up chunk widths (`catch_up_widths`).
     cumulative: compare `min_confidence` with the product of the top
-      probabilities of the row's drafts so far (the draft's estimate that
-      all of them are accepted; it is well calibrated on the real pair, see
-      README) rather than with each draft's own.
+      probabilities of the row's drafts so far (the draft's own estimate
+      that all of them are accepted) rather than with each draft's own.
 
   Returns:
     (drafts [B, G] int32, q [B, G, vocab] float32, gamma_eff [B] int32,
