@@ -235,9 +235,14 @@ def _verify(params, spec: Spec, chunk: jax.Array, tcache: cache_lib.KVCache,
       return jnp.pad(logits, ((0, 0), (0, full - w), (0, 0)), mode="edge"), tcache
     return fn
 
-  # The first width that holds x_{n-1} and every row's counted drafts.
+  return jax.lax.switch(_width_index(widths, counted), [branch(w) for w in widths],
+                        chunk, tcache)
+
+
+def _width_index(widths: tuple[int, ...], counted: jax.Array) -> jax.Array:
+  """[] int32 index of the first width holding x_{n-1} and every row's counted drafts [B]."""
   index = jnp.searchsorted(jnp.asarray(widths, jnp.int32), jnp.max(counted) + 1)
-  return jax.lax.switch(index, [branch(w) for w in widths], chunk, tcache)
+  return jnp.minimum(index, len(widths) - 1)
 
 
 def _fill_verify(spec: Spec, counted: jax.Array, ready: jax.Array, done: jax.Array) -> jax.Array:
@@ -264,9 +269,8 @@ def _fill_verify(spec: Spec, counted: jax.Array, ready: jax.Array, done: jax.Arr
     [B] int32 drafts to count: between `counted` and `ready`, at most the
     chosen width - 1.
   """
-  widths = jnp.asarray(verify_widths(spec), jnp.int32)
-  need = jnp.max(jnp.where(done, 0, counted)) + 1
-  width = widths[jnp.minimum(jnp.searchsorted(widths, need), len(widths) - 1)]
+  widths = verify_widths(spec)
+  width = jnp.asarray(widths, jnp.int32)[_width_index(widths, jnp.where(done, 0, counted))]
   return jnp.maximum(counted, jnp.minimum(ready, width - 1))
 
 

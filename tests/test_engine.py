@@ -210,7 +210,7 @@ def test_cumulative_policy_stops_once_the_product_of_top_probabilities_is_low():
   # Each round's product is at most each of its factors: the cumulative
   # policy counts fewer drafts per round than the per-draft one.
   assert np.mean(drafted["cumulative"]) < np.mean(drafted["confidence"]) - 0.5
-  assert min(drafted["cumulative"]) < 6 < max(drafted["confidence"]) + 1
+  assert max(drafted["confidence"]) == 6  # so the cap is not what stops the cumulative policy
 
 
 def test_batch_rows_equal_their_single_runs():
