@@ -1,0 +1,237 @@
+"""jspec's CPU matmul kernel (`cpu_kernels.cc`): built on first use, called inside XLA programs.
+
+    matmul(x [..., K], panels [N/32, K, 32]) -> [..., N]
+
+XLA CPU's own dot re-packs its weight operand on every call and does not
+overlap those memory reads with the arithmetic, so a decode step, which
+multiplies a few rows by every weight once, runs well below the memory
+roof (README "Design measurements"). The kernel reads weights stored
+already packed in panels (`jspec.layout` "packed") once, at nearly the
+memory bandwidth, and is registered as an XLA FFI custom call so the
+whole generation stays one compiled program.
+
+It is compiled from source with the host's C++ compiler (`$CXX`, else
+`c++`) for the host's CPU (-march=native) the first time a process asks
+for it, into `<jspec cache>/kernels/<digest>/`, written to a temporary
+file and renamed, so a half-written library is never loaded. Where that
+cannot be done (no compiler, JSPEC_CPU_KERNELS=0) `available()` says no,
+with the reason in `unavailable_reason()`, and jspec lays the target out
+for XLA's own dot instead; a packed model still runs everywhere, through
+an einsum.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib.metadata
+import os
+import pathlib
+import platform
+import shlex
+import subprocess
+import tempfile
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jspec import fetch
+
+PANEL = 32  # output columns per panel: the kernel's tile width
+TARGET = "jspec_gemm_f32"  # the FFI target name inside compiled programs
+SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
+_SYMBOL = "JspecGemmF32"
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
+_LIBRARY = None  # the loaded library: kept referenced so it is never unloaded
+
+
+def packable(kernel_shape: tuple) -> bool:
+  """Whether an [in, out] matrix can be stored in panels: out a multiple of `PANEL`.
+
+  Args:
+    kernel_shape: the matrix's [in, out] shape.
+
+  Returns:
+    True if `pack` accepts it.
+  """
+  return len(kernel_shape) == 2 and kernel_shape[1] % PANEL == 0
+
+
+def pack(kernel: jax.Array) -> jax.Array:
+  """An [in, out] matrix as panels of `PANEL` output columns, each contiguous.
+
+  Args:
+    kernel: [K, N] with N a multiple of `PANEL`.
+
+  Returns:
+    [N / PANEL, K, PANEL], a new array.
+
+  Raises:
+    ValueError: N is not a multiple of `PANEL`.
+  """
+  k, n = kernel.shape
+  if n % PANEL:
+    raise ValueError(f"cannot pack a [{k}, {n}] matrix: its {n} columns are not a multiple of {PANEL}")
+  return _pack(jnp.asarray(kernel))
+
+
+def unpack(panels: jax.Array) -> jax.Array:
+  """The inverse of `pack`: [N / PANEL, K, PANEL] -> [K, N], a new array."""
+  return _unpack(jnp.asarray(panels))
+
+
+# Jitted so that each is one copy: converting a model's weights then needs
+# room for one more matrix, not for a chain of temporaries (peak memory is
+# part of the bench's budget).
+@jax.jit
+def _pack(kernel: jax.Array) -> jax.Array:  # [K, N] -> [N/32, K, 32]
+  k, n = kernel.shape
+  return kernel.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
+
+
+@jax.jit
+def _unpack(panels: jax.Array) -> jax.Array:  # [N/32, K, 32] -> [K, N]
+  p, k, width = panels.shape
+  return panels.transpose(1, 0, 2).reshape(k, p * width)
+
+
+def pack_table(table: jax.Array) -> jax.Array:
+  """An output table [V, D] (token embedding and head) as the panels of its head, [D, V].
+
+  Args:
+    table: [V, D] with V a multiple of `PANEL`.
+
+  Returns:
+    [V / PANEL, D, PANEL]; token v's embedding is `[v // PANEL, :, v % PANEL]`.
+  """
+  v, d = table.shape
+  if v % PANEL:
+    raise ValueError(f"cannot pack a [{v}, {d}] table: its {v} rows are not a multiple of {PANEL}")
+  return _pack_table(jnp.asarray(table))
+
+
+def unpack_table(panels: jax.Array) -> jax.Array:
+  """The inverse of `pack_table`: [V / PANEL, D, PANEL] -> [V, D], a new array."""
+  return _unpack_table(jnp.asarray(panels))
+
+
+@jax.jit
+def _pack_table(table: jax.Array) -> jax.Array:  # [V, D] -> [V/32, D, 32]
+  v, d = table.shape
+  return table.reshape(v // PANEL, PANEL, d).transpose(0, 2, 1)
+
+
+@jax.jit
+def _unpack_table(panels: jax.Array) -> jax.Array:  # [V/32, D, 32] -> [V, D]
+  p, d, width = panels.shape
+  return panels.transpose(0, 2, 1).reshape(p * width, d)
+
+
+def matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
+  """x @ W for W stored as panels: [..., K] x [N/32, K, 32] -> [..., N], in x's dtype.
+
+  Runs the kernel when it is available, x and W are float32 and the
+  program runs on CPU; otherwise an einsum that gives the same product.
+
+  Args:
+    x: [..., K] activations.
+    panels: W [K, N] as `pack` returns it.
+
+  Returns:
+    [..., N].
+  """
+  lead, k = x.shape[:-1], x.shape[-1]
+  p, _, width = panels.shape
+  rows = x.reshape(-1, k)  # [M, K]
+  if (x.dtype == jnp.float32 and panels.dtype == jnp.float32 and available()
+      and jax.default_backend() == "cpu"):
+    out_type = jax.ShapeDtypeStruct((rows.shape[0], p * width), jnp.float32)
+    y = jax.ffi.ffi_call(TARGET, out_type)(rows, panels)
+  else:
+    y = jnp.einsum("mk,pkw->mpw", rows, panels).reshape(rows.shape[0], p * width)
+  return y.reshape(*lead, p * width)
+
+
+def available() -> bool:
+  """Whether the kernel is built, loaded and registered (building it on first call).
+
+  Returns:
+    True when `matmul` runs the kernel on CPU.
+  """
+  return _load() is None
+
+
+def unavailable_reason() -> Optional[str]:
+  """Why `available()` is False, or None when it is True."""
+  return _load()
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> Optional[str]:
+  """Builds (if needed), loads and registers the kernel once per process.
+
+  Returns:
+    None on success, else the reason it is not available.
+  """
+  global _LIBRARY
+  if os.environ.get("JSPEC_CPU_KERNELS", "1") == "0":
+    return "turned off by JSPEC_CPU_KERNELS=0"
+  try:
+    path = _build()
+    library = ctypes.cdll.LoadLibrary(str(path))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, _SYMBOL)),
+                                platform="cpu")
+  except (OSError, subprocess.SubprocessError, AttributeError, RuntimeError) as err:
+    return f"{type(err).__name__}: {err}"
+  _LIBRARY = library
+  return None
+
+
+def _compiler() -> list[str]:
+  return shlex.split(os.environ.get("CXX", "c++"))
+
+
+def _host_cpu() -> str:
+  """What -march=native compiles for: the CPU model and its feature flags."""
+  try:
+    lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+  except OSError:
+    return platform.processor() or platform.machine()
+  wanted = [line for line in lines if line.startswith(("model name", "flags"))]
+  return "\n".join(wanted[:2])
+
+
+def _build() -> pathlib.Path:
+  """The compiled library for this source, compiler, jaxlib and CPU, compiling it if missing.
+
+  Returns:
+    Path of the shared library.
+
+  Raises:
+    OSError: no compiler could be run.
+    RuntimeError: the compile failed (the compiler's output is in the message).
+  """
+  include = jax.ffi.include_dir()
+  digest = hashlib.sha256()
+  for part in (SOURCE.read_bytes(), " ".join(_compiler() + list(_FLAGS)).encode(),
+               importlib.metadata.version("jaxlib").encode(), _host_cpu().encode()):
+    digest.update(part + b"\0")
+  directory = fetch.cache_dir() / "kernels" / digest.hexdigest()[:24]
+  path = directory / "libjspec_cpu_kernels.so"
+  if path.exists():
+    return path
+  directory.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
+  os.close(fd)
+  try:
+    command = _compiler() + list(_FLAGS) + ["-I", include, str(SOURCE), "-o", tmp]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+      raise RuntimeError(f"compiling {SOURCE.name} failed ({shlex.join(command)}): "
+                         f"{(done.stderr or done.stdout)[-2000:]}")
+    os.replace(tmp, path)  # atomic: another process sees all of it or none
+  finally:
+    pathlib.Path(tmp).unlink(missing_ok=True)
+  return path

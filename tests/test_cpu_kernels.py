@@ -1,0 +1,103 @@
+"""jspec.cpu_kernels: the packed-weight matmul kernel computes x @ W, builds or says why not."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec import cpu_kernels
+
+# Where a C++ compiler exists (CI's machine has one) the kernel must build:
+# a silent fallback to the einsum would hide a broken kernel behind slowness.
+HAVE_COMPILER = shutil.which(os.environ.get("CXX", "c++").split()[0]) is not None
+
+
+def _random(shape, seed):
+  return np.random.RandomState(seed).standard_normal(shape).astype(np.float32)
+
+
+def test_kernel_builds_where_a_compiler_exists():
+  if not HAVE_COMPILER:
+    pytest.skip("no C++ compiler here")
+  assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 9, 12, 13, 17, 40])
+@pytest.mark.parametrize("k,n", [(64, 32), (37, 96), (160, 320)])
+def test_matmul_matches_numpy(m, k, n):
+  # Row counts on both sides of the 12-row tile; K odd; one and many panels.
+  x, w = _random((m, k), m), _random((k, n), k + n)
+  y = jax.jit(cpu_kernels.matmul)(jnp.asarray(x), cpu_kernels.pack(jnp.asarray(w)))
+  assert y.shape == (m, n) and y.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+
+
+def test_matmul_keeps_leading_axes_and_matches_its_fallback(monkeypatch):
+  x, w = _random((2, 3, 48), 0), _random((48, 64), 1)
+  panels = cpu_kernels.pack(jnp.asarray(w))
+  kernel = jax.jit(cpu_kernels.matmul)(jnp.asarray(x), panels)
+  monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+  fallback = jax.jit(cpu_kernels.matmul)(jnp.asarray(x), panels)  # a new trace: the einsum
+  assert kernel.shape == fallback.shape == (2, 3, 64)
+  np.testing.assert_allclose(np.asarray(kernel), np.asarray(fallback), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(fallback), x @ w, rtol=1e-5, atol=1e-4)
+
+
+def test_concurrent_calls_in_one_program_all_finish_correctly():
+  # Independent multiplies (like q, k and v) may run at once on XLA's
+  # threads, each sharing its panels out to the same pool: none may wait on
+  # a task queued behind another's.
+  x = jnp.asarray(_random((9, 128), 2))
+  ws = [_random((128, 32 * (i + 1)), 10 + i) for i in range(6)]
+  panels = [cpu_kernels.pack(jnp.asarray(w)) for w in ws]
+  outs = jax.jit(lambda x, ps: [cpu_kernels.matmul(x, p) for p in ps])(x, panels)
+  for out, w in zip(outs, ws):
+    np.testing.assert_allclose(np.asarray(out), np.asarray(x) @ w, rtol=1e-5, atol=1e-4)
+
+
+def test_pack_and_pack_table_round_trip_and_index_as_documented():
+  w = _random((5, 64), 3)
+  panels = cpu_kernels.pack(jnp.asarray(w))
+  assert panels.shape == (2, 5, 32)
+  np.testing.assert_array_equal(np.asarray(panels[1, :, 7]), w[:, 32 + 7])
+  np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack(panels)), w)
+  table = _random((96, 8), 4)  # [V, D]
+  packed = cpu_kernels.pack_table(jnp.asarray(table))
+  assert packed.shape == (3, 8, 32)
+  for v in (0, 31, 32, 95):  # token v's embedding, as `model.PackedEmbed` reads it
+    np.testing.assert_array_equal(np.asarray(packed[v // 32, :, v % 32]), table[v])
+  np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_table(packed)), table)
+
+
+def test_unpackable_shapes_are_refused_with_the_reason():
+  assert not cpu_kernels.packable((8, 33)) and cpu_kernels.packable((8, 64))
+  with pytest.raises(ValueError, match="33 columns are not a multiple of 32"):
+    cpu_kernels.pack(jnp.zeros((8, 33)))
+  with pytest.raises(ValueError, match="40 rows are not a multiple of 32"):
+    cpu_kernels.pack_table(jnp.zeros((40, 8)))
+
+
+def test_a_failed_compile_says_why_and_leaves_no_library(monkeypatch, tmp_path):
+  monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
+  monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+  with pytest.raises(RuntimeError, match="compiling cpu_kernels.cc failed"):
+    cpu_kernels._build()
+  assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
+
+
+def test_turning_the_kernel_off_falls_back_to_xla_layouts():
+  # A fresh process: availability is decided once per process.
+  code = ("from jspec import api, cpu_kernels; "
+          "print(cpu_kernels.available(), cpu_kernels.unavailable_reason(), "
+          "api.target_layout('model', 1, 'cpu'), api.target_layout('target', 1, 'cpu'))")
+  env = {**os.environ, "JSPEC_CPU_KERNELS": "0"}
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       check=True).stdout
+  assert out.split() == ["False", "turned", "off", "by", "JSPEC_CPU_KERNELS=0", "cols", "rows"]
