@@ -1,12 +1,14 @@
 """What one forward pass of the real target and draft costs at T new tokens.
 
     python -m bench.forward_cost [--target-t 1,2,5,9] [--draft-t 1,2] [--reps 8]
-                                 [--layouts cols,rows] [--draft-int8]
+                                 [--layouts cols,rows,packed] [--draft-int8]
 
 Loads the real pair, jits `model.forward` on a cache of 512 slots holding 200
 tokens, and prints the median ms per call for each T and weight layout
-(`jspec.layout`: "cols" [in, out], what verifies use; "rows" [out, in], what
-target-only decoding of one prompt uses): the numbers behind the cost of a
+(`jspec.layout`: "packed", panels for jspec's CPU kernel, what everything
+uses on CPU when the kernel builds; without it "cols" [in, out], what
+verifies use, and "rows" [out, in], what target-only decoding of one prompt
+uses): the numbers behind the cost of a
 speculative round (gamma draft steps + one verify of gamma + 1) and behind
 the layout choice. --draft-int8 also measures the draft's int8 copy
 (`jspec.quant`, what `generate` drafts with on CPU).
@@ -55,7 +57,7 @@ def main(argv=None) -> int:
   parser.add_argument("--target-t", default="1,2,5,9")
   parser.add_argument("--draft-t", default="1,2")
   parser.add_argument("--reps", type=int, default=8)
-  parser.add_argument("--layouts", default="cols", help="comma-separated: cols, rows")
+  parser.add_argument("--layouts", default="cols", help="comma-separated: cols, rows, packed")
   parser.add_argument("--draft-int8", action="store_true",
                       help="also measure the draft's int8 copy (after each layout pass)")
   args = parser.parse_args(argv)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import config as config_lib
+from jspec import cpu_kernels
 from jspec import decode
 from jspec import fetch
 from jspec import layout
@@ -147,8 +148,9 @@ class Bundle:
     """Stores the target's dense weights the given way round (`jspec.layout`), in place.
 
     Args:
-      kind: "rows" (fastest for one row per step) or "cols" (for verifies
-        and batches).
+      kind: a `jspec.layout.LAYOUTS` entry ("packed" for jspec's CPU
+        kernel, "rows" for one row per step, "cols" for verifies and
+        batches, without it).
 
     Returns:
       Seconds spent (0 when the target was laid out so already).
@@ -165,6 +167,9 @@ def _head_rows(params, cfg: config_lib.Qwen2Config, rows: int):
   if quant.is_quantized(params):
     table = quant.output_table(params, cfg.tie_word_embeddings)
     return quant.Table(jnp.array(table.q[:rows]), jnp.array(table.scale[:rows]))
+  if "panels" in params["embed_tokens"] or "lm_head_panels" in params:  # a draft that is the target
+    panels = params["embed_tokens"]["panels"] if cfg.tie_word_embeddings else params["lm_head_panels"]
+    return cpu_kernels.unpack_table(panels)[:rows]
   table = params["embed_tokens"]["embedding"] if cfg.tie_word_embeddings else params["lm_head"]
   return jnp.array(table[:rows])  # a copy: not a view of the full table
 
@@ -200,12 +205,14 @@ def draft_int8_default(where: str) -> bool:
 def target_layout(method: str, batch: int, platform: str = "cpu") -> str:
   """The target layout that decodes fastest for a method, batch size and device.
 
-  On CPU, target-only decoding of one prompt multiplies one row per step,
-  where [out, in] ("rows") matrices read fastest (README "Design
-  measurements": about 12% per step); every other method verifies several
-  positions per step, and a batch multiplies several rows, where [in, out]
-  ("cols") is fastest by far. Other devices keep "cols": the choice was
-  measured on XLA CPU only.
+  On CPU with jspec's kernel available (`jspec.cpu_kernels`), "packed"
+  for everything: at every row count a decode step or verify uses it runs
+  faster than XLA's dot in either layout (README "Design measurements").
+  Without it, target-only decoding of one prompt multiplies one row per
+  step, where [out, in] ("rows") matrices read fastest (about 12% per
+  step); every other method verifies several positions per step, and a
+  batch multiplies several rows, where [in, out] ("cols") is fastest by
+  far. Other devices keep "cols": the choice was measured on XLA CPU only.
 
   Args:
     method: a `decode.METHODS` entry.
@@ -213,9 +220,13 @@ def target_layout(method: str, batch: int, platform: str = "cpu") -> str:
     platform: the platform of the target's params ("cpu", "gpu", ...).
 
   Returns:
-    "rows" or "cols".
+    "rows", "cols" or "packed".
   """
-  return "rows" if platform == "cpu" and method == "target" and batch == 1 else "cols"
+  if platform != "cpu":
+    return "cols"
+  if cpu_kernels.available():
+    return "packed"
+  return "rows" if method == "target" and batch == 1 else "cols"
 
 
 def check_pair(target: config_lib.Qwen2Config, draft: config_lib.Qwen2Config,

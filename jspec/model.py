@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from jspec import cache as cache_lib
 from jspec import config as config_lib
+from jspec import cpu_kernels
 from jspec import quant
 
 Params = Any  # nested dict of arrays, as returned by `init_params` or `convert`.
@@ -60,7 +61,8 @@ class Linear(nn.Module):
   """A dense layer whose weight is stored either way round (see `jspec.layout`).
 
   Params hold either `kernel` [in, out] (flax's layout, what the converters
-  write) or `weight` [out, in], or for an int8 draft `qweight` [out, in] and
+  write), `weight` [out, in], `panels` [out/32, in, 32] (jspec's CPU kernel,
+  `jspec.cpu_kernels`), or for an int8 draft `qweight` [out, in] and
   `scale` [out] (`jspec.quant`). Which one is static pytree structure, so
   each layout compiles its own program.
   """
@@ -75,6 +77,11 @@ class Linear(nn.Module):
       qweight = _param(self, "qweight", nn.initializers.zeros, (self.features, x.shape[-1]), jnp.int8)
       scale = _param(self, "scale", nn.initializers.ones, (self.features,), jnp.float32)
       y = quant.matmul(x, quant.Table(qweight, scale)).astype(self.dtype)
+    elif self.has_variable("params", "panels"):
+      width = cpu_kernels.PANEL
+      panels = _param(self, "panels", nn.initializers.zeros,
+                      (self.features // width, x.shape[-1], width), self.dtype)
+      y = cpu_kernels.matmul(x, panels)
     elif self.has_variable("params", "weight"):
       weight = _param(self, "weight", nn.initializers.zeros, (self.features, x.shape[-1]), self.dtype)
       y = jnp.einsum("...i,oi->...o", x, weight)
@@ -104,6 +111,28 @@ class QuantEmbed(nn.Module):
   def table(self) -> quant.Table:
     """The table as the tied output head reads it."""
     return quant.Table(self.qembedding, self.scale)
+
+
+class PackedEmbed(nn.Module):
+  """Token embedding read from an output table stored as head panels (`jspec.layout` "packed").
+
+  One copy of a tied table serves both ends: the head multiplies by the
+  panels (`cpu_kernels.matmul`) and token v's embedding is column v % 32
+  of panel v // 32.
+  """
+
+  num_embeddings: int
+  features: int
+  dtype: jnp.dtype
+
+  def setup(self):
+    width = cpu_kernels.PANEL
+    self.panels = _param(self, "panels", nn.initializers.zeros,
+                         (self.num_embeddings // width, self.features, width), self.dtype)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
+    width = cpu_kernels.PANEL
+    return self.panels[tokens // width, :, tokens % width]
 
 
 class RMSNorm(nn.Module):
@@ -226,6 +255,7 @@ class Qwen2(nn.Module):
   cfg: config_lib.Qwen2Config
   dtype: jnp.dtype = jnp.float32
   int8: bool = False  # weights in `jspec.quant`'s form
+  packed_table: bool = False  # output table stored as panels (`jspec.layout` "packed")
 
   @nn.compact
   def __call__(self, tokens, cache: cache_lib.KVCache, logits_at: Optional[jax.Array] = None,
@@ -248,6 +278,8 @@ class Qwen2(nn.Module):
     cfg = self.cfg
     if self.int8:
       embed = QuantEmbed(cfg.vocab_size, cfg.hidden_size, name="embed_tokens")
+    elif self.packed_table and cfg.tie_word_embeddings:
+      embed = PackedEmbed(cfg.vocab_size, cfg.hidden_size, self.dtype, name="embed_tokens")
     else:
       embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
                        param_dtype=self.dtype, name="embed_tokens")
@@ -262,7 +294,13 @@ class Qwen2(nn.Module):
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)  # [B, T', D]
     x = RMSNorm(cfg.rms_norm_eps, name="norm")(x)
-    if cfg.tie_word_embeddings:
+    width = cpu_kernels.PANEL
+    if self.packed_table and cfg.tie_word_embeddings:
+      table = embed.panels  # [V/32, D, 32]
+    elif self.packed_table:
+      table = _param(self, "lm_head_panels", nn.initializers.zeros,
+                     (cfg.vocab_size // width, cfg.hidden_size, width), self.dtype)
+    elif cfg.tie_word_embeddings:
       table = embed.table() if self.int8 else embed.embedding  # [V, D]
     elif self.int8:
       table = quant.Table(
@@ -275,6 +313,8 @@ class Qwen2(nn.Module):
       table = head  # [V', D]
     if isinstance(table, quant.Table):
       logits = quant.matmul(x, table)
+    elif table.ndim == 3:  # panels
+      logits = cpu_kernels.matmul(x, table).astype(jnp.float32)
     else:
       logits = jnp.einsum("BTD,VD->BTV", x, table, preferred_element_type=jnp.float32)
     return logits, cache.replace(k=k_buf, v=v_buf, lengths=starts + t)
@@ -297,15 +337,17 @@ def forward(params: Params, cfg: config_lib.Qwen2Config, tokens: jax.Array,
     ([B, T', V'] float32 logits, updated cache).
   """
   int8 = quant.is_quantized(params)
-  return Qwen2(cfg, compute_dtype(params), int8).apply({"params": params}, tokens, cache,
-                                                      logits_at, head)
+  packed_table = "panels" in params["embed_tokens"] or "lm_head_panels" in params
+  return Qwen2(cfg, compute_dtype(params), int8, packed_table).apply(
+      {"params": params}, tokens, cache, logits_at, head)
 
 
 def compute_dtype(params: Params) -> jnp.dtype:
   """The dtype a model's activations and KV cache take: its params' (float32 for int8 weights)."""
   if quant.is_quantized(params):
     return jnp.dtype(jnp.float32)
-  return params["embed_tokens"]["embedding"].dtype
+  embed = params["embed_tokens"]
+  return (embed["panels"] if "panels" in embed else embed["embedding"]).dtype
 
 
 def init_params(cfg: config_lib.Qwen2Config, key: jax.Array, dtype=jnp.float32,

@@ -35,6 +35,7 @@ import jax
 from jax import export
 
 from jspec import cache as cache_lib
+from jspec import cpu_kernels
 from jspec import decode
 from jspec import quant
 
@@ -83,7 +84,7 @@ def source_digest() -> str:
   for name in ("jax", "jaxlib", "flax"):
     h.update(f"{name}={importlib.metadata.version(name)}\n".encode())
   package = pathlib.Path(__file__).resolve().parent
-  for path in sorted(package.glob("*.py")):
+  for path in sorted([*package.glob("*.py"), *package.glob("*.cc")]):
     h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
   return h.hexdigest()
 
@@ -167,7 +168,11 @@ def lower(name: str, fn: Callable, args: Sequence[Any], static: dict,
   exported = _read(path)
   found = exported is not None
   if not found:
-    exported = export.export(jax.jit(functools.partial(fn, **static)))(*args)
+    # jspec's own CPU kernel is a custom call export cannot vouch for; the
+    # key holds its source (`source_digest`), so a stored program only ever
+    # runs against the kernel it was traced with.
+    checks = [export.DisabledSafetyCheck.custom_call(cpu_kernels.TARGET)]
+    exported = export.export(jax.jit(functools.partial(fn, **static)), disabled_checks=checks)(*args)
     _write_atomic(path, bytes(exported.serialize()))
 
   def program(*args):

@@ -27,6 +27,8 @@ from typing import Any, Dict, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jspec import cpu_kernels
+
 class Table(NamedTuple):
   """An int8 [rows, cols] matrix with one float32 scale per row."""
 
@@ -100,23 +102,27 @@ def quantize(params: Dict[str, Any]) -> Dict[str, Any]:
   row; biases and norm weights stay float32.
 
   Args:
-    params: float params in either layout (`jspec.layout`).
+    params: float params in any layout (`jspec.layout`).
 
   Returns:
     A new params tree in the quantized form.
   """
-  def walk(node: Dict[str, Any]) -> Dict[str, Any]:
+  def walk(node: Dict[str, Any], embed: bool = False) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for key, value in node.items():
       if isinstance(value, dict):
-        out[key] = walk(value)
+        out[key] = walk(value, embed=key == "embed_tokens")
+      elif embed and key in ("embedding", "panels"):  # beside no other scale
+        table = value if key == "embedding" else cpu_kernels.unpack_table(value)  # [V, D]
+        out["qembedding"], out["scale"] = quantize_rows(table)
+      elif key == "panels":
+        out["qweight"], out["scale"] = quantize_rows(cpu_kernels.unpack(value).T)  # [out, in]
       elif key in ("kernel", "weight") and getattr(value, "ndim", 0) == 2:
         rows = jnp.asarray(value).T if key == "kernel" else value  # [out, in]
         out["qweight"], out["scale"] = quantize_rows(rows)
-      elif key == "embedding":  # inside embed_tokens, beside no other scale
-        out["qembedding"], out["scale"] = quantize_rows(value)
-      elif key == "lm_head":  # top level, beside the layers: a name of its own
-        out["qlm_head"], out["qlm_head_scale"] = quantize_rows(value)
+      elif key in ("lm_head", "lm_head_panels"):  # top level: names of their own
+        table = value if key == "lm_head" else cpu_kernels.unpack_table(value)  # [V, D]
+        out["qlm_head"], out["qlm_head_scale"] = quantize_rows(table)
       else:
         out[key] = value
     return out

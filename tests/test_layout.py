@@ -11,6 +11,8 @@ import jspec
 import tiny
 from jspec import api
 from jspec import cache as cache_lib
+from jspec import config as config_lib
+from jspec import cpu_kernels
 from jspec import layout
 from jspec import model
 
@@ -62,7 +64,8 @@ def test_unknown_layout_is_refused():
     layout.convert(params, "transposed")
 
 
-def test_generate_lays_the_target_out_for_its_method():
+def test_generate_lays_the_target_out_for_its_method_without_the_kernel(monkeypatch):
+  monkeypatch.setattr(cpu_kernels, "available", lambda: False)
   bundle = tiny.pair(3)
   prompt = tiny.prompt(3, 6)
   first = jspec.generate(bundle, prompt, max_new_tokens=12, method="target")
@@ -78,9 +81,55 @@ def test_generate_lays_the_target_out_for_its_method():
   assert batch[0].token_ids == first.token_ids
 
 
-def test_only_a_single_target_only_prompt_on_cpu_is_laid_out_by_rows():
+def test_without_the_kernel_only_a_single_target_only_prompt_is_laid_out_by_rows(monkeypatch):
+  monkeypatch.setattr(cpu_kernels, "available", lambda: False)
   assert api.target_layout("target", 1, "cpu") == "rows"
   assert api.target_layout("target", 2, "cpu") == "cols"
   assert api.target_layout("model", 1, "cpu") == "cols"
   assert api.target_layout("prompt_lookup", 1, "cpu") == "cols"
   assert api.target_layout("target", 1, "gpu") == "cols"  # measured on XLA CPU only
+
+
+def test_with_the_kernel_every_cpu_method_is_packed(monkeypatch):
+  monkeypatch.setattr(cpu_kernels, "available", lambda: True)
+  for method, batch in (("target", 1), ("target", 2), ("model", 1), ("prompt_lookup", 1)):
+    assert api.target_layout(method, batch, "cpu") == "packed"
+  assert api.target_layout("model", 1, "gpu") == "cols"
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("t", [1, 9])
+def test_packed_layout_gives_the_same_logits_and_round_trips_exactly(tied, t):
+  cfg = config_lib.Qwen2Config(**{**tiny.PACKABLE_TARGET.to_dict(), "tie_word_embeddings": tied})
+  params = model.init_params(cfg, jax.random.key(t), scale=0.3)
+  before = _copy(params)
+  tokens = jnp.asarray(np.random.RandomState(t).randint(0, cfg.vocab_size, size=(2, t)), jnp.int32)
+  cols_logits, cols_cache = model.forward(params, cfg, tokens, cache_lib.init(cfg, 2, 32))
+  packed = layout.convert(params, "packed")
+  assert layout.of(packed) == "packed"
+  assert set(packed["layers_1"]["self_attn"]["k_proj"]) == {"panels", "bias"}
+  assert ("panels" in packed["embed_tokens"]) == tied and ("lm_head_panels" in packed) != tied
+  packed_logits, packed_cache = model.forward(packed, cfg, tokens, cache_lib.init(cfg, 2, 32))
+  np.testing.assert_allclose(packed_logits, cols_logits, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(packed_cache.k, cols_cache.k, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(packed_cache.v, cols_cache.v, rtol=1e-5, atol=1e-5)
+  layout.convert(packed, "rows")
+  layout.convert(packed, "cols")
+  assert jax.tree.structure(packed) == jax.tree.structure(before)
+  jax.tree.map(np.testing.assert_array_equal, packed, before)
+
+
+def test_generate_packs_the_target_and_every_method_agrees_with_xla_layouts(monkeypatch):
+  if not cpu_kernels.available():
+    pytest.skip(f"no CPU kernel here: {cpu_kernels.unavailable_reason()}")
+  bundle = tiny.packable_pair(4)
+  prompt = np.random.RandomState(4).randint(0, tiny.PACKABLE_VOCAB, size=7).tolist()
+  first = jspec.generate(bundle, prompt, max_new_tokens=16, method="target")
+  assert layout.of(bundle.target.params) == "packed" and first.stats["relayout_s"] > 0
+  spec = jspec.generate(bundle, prompt, max_new_tokens=16, gamma=4)
+  lookup = jspec.generate(bundle, prompt, max_new_tokens=16, method="prompt_lookup")
+  assert spec.stats["relayout_s"] == 0.0
+  assert spec.token_ids == lookup.token_ids == first.token_ids
+  monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+  xla = jspec.generate(bundle, prompt, max_new_tokens=16, gamma=4)
+  assert layout.of(bundle.target.params) == "cols" and xla.token_ids == first.token_ids

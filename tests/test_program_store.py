@@ -107,12 +107,17 @@ def test_the_key_names_every_input_of_the_trace():
     assert program_store.program_key("run", (jnp.zeros((2, 3)),), spec) != arrays
 
 
+# A packable target: with the CPU kernel the stored programs hold its custom
+# call, which export must accept and a new process must find registered.
 _CHILD = """
 import json, sys
 import jspec, tiny
-from jspec import api
-out = jspec.generate(tiny.pair(5), tiny.prompt(1, 9), **json.loads(sys.argv[1]))
-print(json.dumps({"ids": out.token_ids, "stored": api.PROGRAMS.stored}))
+from jspec import api, cpu_kernels, layout
+bundle = tiny.packable_pair(5)
+out = jspec.generate(bundle, [3, 1, 4, 1, 5, 9, 2, 6, 5], **json.loads(sys.argv[1]))
+print(json.dumps({"ids": out.token_ids, "stored": api.PROGRAMS.stored,
+                  "packed": layout.of(bundle.target.params) == "packed",
+                  "kernel": cpu_kernels.available()}))
 """
 
 
@@ -128,3 +133,4 @@ def test_a_second_process_reads_what_the_first_stored(tmp_path):
     runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
   assert [r["stored"] for r in runs] == [0, 2]
   assert runs[1]["ids"] == runs[0]["ids"]
+  assert all(r["packed"] == r["kernel"] for r in runs)

@@ -18,6 +18,32 @@ DRAFT = config_lib.Qwen2Config(
     vocab_size=VOCAB, hidden_size=16, intermediate_size=19, num_layers=1, num_heads=2,
     num_kv_heads=1, head_dim=8, rope_theta=1e4)
 
+# Sizes that jspec's CPU kernel can store in panels (multiples of 32, the
+# vocabulary included): the "packed" layout then really packs them.
+PACKABLE_VOCAB = 64
+PACKABLE_TARGET = config_lib.Qwen2Config(
+    vocab_size=PACKABLE_VOCAB, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16, rope_theta=1e4, eos_token_ids=())
+PACKABLE_DRAFT = config_lib.Qwen2Config(
+    vocab_size=PACKABLE_VOCAB, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+    num_kv_heads=1, head_dim=16, rope_theta=1e4, eos_token_ids=())
+
+
+def packable_pair(seed: int = 0, scale: float = 0.3) -> jspec.Bundle:
+  """A random pair whose target's dense weights and table `jspec.layout` can pack.
+
+  Args:
+    seed: picks the weights.
+    scale: weight std.
+
+  Returns:
+    A tokenizer-less bundle over a `PACKABLE_VOCAB`-token vocabulary.
+  """
+  kt, kd = jax.random.split(jax.random.key(seed))
+  return jspec.Bundle(
+      jspec.Model(PACKABLE_TARGET, model.init_params(PACKABLE_TARGET, kt, scale=scale)),
+      jspec.Model(PACKABLE_DRAFT, model.init_params(PACKABLE_DRAFT, kd, scale=scale)))
+
 
 def pair(seed: int = 0, scale: float = 0.5, vocab: int = VOCAB) -> jspec.Bundle:
   """A random target/draft pair over a `vocab`-token vocabulary.
