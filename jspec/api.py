@@ -105,6 +105,8 @@ class Bundle:
       if int8:
         if self._draft_int8 is None:
           self._draft_int8 = quant.quantize(self._float_draft())
+          if platform(self) == "cpu" and cpu_kernels.int8_available():
+            quant.pack(self._draft_int8)  # for jspec's int8 kernel (`jspec.cpu_kernels`)
           self._drop_float_draft()
         params = self._draft_int8
       else:
@@ -166,6 +168,9 @@ def _head_rows(params, cfg: config_lib.Qwen2Config, rows: int):
   """A copy of the first `rows` rows of a model's output table ([V', D], or a `quant.Table`)."""
   if quant.is_quantized(params):
     table = quant.output_table(params, cfg.tie_word_embeddings)
+    if isinstance(table, quant.PackedTable):  # the cut head runs through XLA's dot
+      q = table.rows(jnp.arange(rows), cfg.hidden_size)
+      return quant.Table(q, jnp.array(table.scale[:rows]))
     return quant.Table(jnp.array(table.q[:rows]), jnp.array(table.scale[:rows]))
   if "panels" in params["embed_tokens"] or "lm_head_panels" in params:  # a draft that is the target
     panels = params["embed_tokens"]["panels"] if cfg.tie_word_embeddings else params["lm_head_panels"]

@@ -40,9 +40,12 @@ import jax.numpy as jnp
 from jspec import fetch
 
 PANEL = 32  # output columns per panel: the kernel's tile width
-TARGET = "jspec_gemm_f32"  # the FFI target name inside compiled programs
+GROUP = 4  # k per int8 lane (`vpdpbusd`)
+TARGET = "jspec_gemm_f32"  # the FFI target names inside compiled programs
+TARGET_INT8 = "jspec_gemm_i8"
+TARGETS = (TARGET, TARGET_INT8)
 SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
-_SYMBOL = "JspecGemmF32"
+_SYMBOLS = {TARGET: "JspecGemmF32", TARGET_INT8: "JspecGemmI8"}
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
 _LIBRARY = None  # the loaded library: kept referenced so it is never unloaded
 
@@ -163,6 +166,74 @@ def available() -> bool:
   return _load() is None
 
 
+def int8_available() -> bool:
+  """Whether the int8 kernel is too: it needs AVX-512 VNNI on the host.
+
+  Returns:
+    True when `matmul_int8` runs the kernel on CPU.
+  """
+  return available() and bool(_LIBRARY.JspecHaveInt8())
+
+
+def pack_int8(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """An int8 [out, in] matrix as the int8 kernel's panels, with its row sums.
+
+  Args:
+    q: [N, K] int8, N a multiple of `PANEL`; K is zero-padded to a multiple
+      of `GROUP`.
+
+  Returns:
+    (panels [N / 32, ceil(K / 4), 32, 4] int8, where panels[p, g, n, j] is
+    q[32 p + n, 4 g + j]; sums [N] int32, the sum of each row of q).
+
+  Raises:
+    ValueError: N is not a multiple of `PANEL`.
+  """
+  n, k = q.shape
+  if n % PANEL:
+    raise ValueError(f"cannot pack a [{n}, {k}] int8 matrix: its {n} rows are not a multiple of {PANEL}")
+  return _pack_int8(jnp.asarray(q))
+
+
+@jax.jit
+def _pack_int8(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+  n, k = q.shape
+  padded = jnp.pad(q, ((0, 0), (0, -k % GROUP)))  # [N, Kp]
+  panels = padded.reshape(n // PANEL, PANEL, -1, GROUP).transpose(0, 2, 1, 3)
+  return panels, jnp.sum(q.astype(jnp.int32), axis=1)
+
+
+def unpack_int8(panels: jax.Array, k: int) -> jax.Array:
+  """The inverse of `pack_int8`'s panels: [N / 32, Kp / 4, 32, 4] -> [N, k] int8."""
+  p, groups, width, group = panels.shape
+  return jnp.asarray(panels).transpose(0, 2, 1, 3).reshape(p * width, groups * group)[:, :k]
+
+
+def matmul_int8(xq: jax.Array, panels: jax.Array, sums: jax.Array) -> jax.Array:
+  """xq @ q.T in int32 for q stored by `pack_int8`: [M, K] int8 -> [M, N] int32.
+
+  The kernel multiplies unsigned by signed bytes, so xq is shifted by 128
+  into [1, 255] and 128 * (row sums of q) taken off again: exact.
+
+  Args:
+    xq: [M, K] int8 activations (symmetric, so in [-127, 127]).
+    panels, sums: q as `pack_int8` returns it.
+
+  Returns:
+    [M, N] int32, equal to the int32 product.
+  """
+  m, k = xq.shape
+  p, groups, width, group = panels.shape
+  if int8_available() and jax.default_backend() == "cpu":
+    shifted = (xq.astype(jnp.int32) + 128).astype(jnp.uint8)
+    shifted = jnp.pad(shifted, ((0, 0), (0, groups * group - k)))  # zeros meet zero weights
+    out_type = jax.ShapeDtypeStruct((m, p * width), jnp.int32)
+    acc = jax.ffi.ffi_call(TARGET_INT8, out_type)(shifted, panels)
+    return acc - 128 * sums[None, :]
+  q = unpack_int8(panels, k)  # [N, K]
+  return jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+
+
 def unavailable_reason() -> Optional[str]:
   """Why `available()` is False, or None when it is True."""
   return _load()
@@ -181,8 +252,9 @@ def _load() -> Optional[str]:
   try:
     path = _build()
     library = ctypes.cdll.LoadLibrary(str(path))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, _SYMBOL)),
-                                platform="cpu")
+    for target, symbol in _SYMBOLS.items():
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                  platform="cpu")
   except (OSError, subprocess.SubprocessError, AttributeError, RuntimeError) as err:
     return f"{type(err).__name__}: {err}"
   _LIBRARY = library

@@ -73,7 +73,16 @@ class Linear(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
-    if self.has_variable("params", "qweight"):
+    if self.has_variable("params", "qpanels"):
+      width, group = cpu_kernels.PANEL, cpu_kernels.GROUP
+      k = x.shape[-1]
+      table = quant.PackedTable(
+          _param(self, "qpanels", nn.initializers.zeros,
+                 (self.features // width, -(-k // group), width, group), jnp.int8),
+          _param(self, "sums", nn.initializers.zeros, (self.features,), jnp.int32),
+          _param(self, "scale", nn.initializers.ones, (self.features,), jnp.float32))
+      y = quant.matmul(x, table).astype(self.dtype)
+    elif self.has_variable("params", "qweight"):
       qweight = _param(self, "qweight", nn.initializers.zeros, (self.features, x.shape[-1]), jnp.int8)
       scale = _param(self, "scale", nn.initializers.ones, (self.features,), jnp.float32)
       y = quant.matmul(x, quant.Table(qweight, scale)).astype(self.dtype)
@@ -95,21 +104,38 @@ class Linear(nn.Module):
 
 
 class QuantEmbed(nn.Module):
-  """Token embedding from an int8 table with one scale per token (`jspec.quant`)."""
+  """Token embedding from an int8 table with one scale per token (`jspec.quant`).
+
+  The table is `qembedding` [V, D], or when `packed` the int8 kernel's
+  `qpanels` and `sums` (`quant.pack`), which the tied head multiplies by.
+  """
 
   num_embeddings: int
   features: int
+  packed: bool = False
 
   def setup(self):
-    self.qembedding = _param(self, "qembedding", nn.initializers.zeros,
-                                 (self.num_embeddings, self.features), jnp.int8)
-    self.scale = _param(self, "scale", nn.initializers.ones, (self.num_embeddings,), jnp.float32)
+    v, d = self.num_embeddings, self.features
+    if self.packed:
+      width, group = cpu_kernels.PANEL, cpu_kernels.GROUP
+      self.qpanels = _param(self, "qpanels", nn.initializers.zeros,
+                            (v // width, -(-d // group), width, group), jnp.int8)
+      self.sums = _param(self, "sums", nn.initializers.zeros, (v,), jnp.int32)
+    else:
+      self.qembedding = _param(self, "qembedding", nn.initializers.zeros, (v, d), jnp.int8)
+    self.scale = _param(self, "scale", nn.initializers.ones, (v,), jnp.float32)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D] float32
-    return self.qembedding[tokens].astype(jnp.float32) * self.scale[tokens][..., None]
+    if self.packed:
+      q = self.table().rows(tokens, self.features)
+    else:
+      q = self.qembedding[tokens]
+    return q.astype(jnp.float32) * self.scale[tokens][..., None]
 
-  def table(self) -> quant.Table:
-    """The table as the tied output head reads it."""
+  def table(self):
+    """The table as the tied output head reads it (a `quant.Table` or `quant.PackedTable`)."""
+    if self.packed:
+      return quant.PackedTable(self.qpanels, self.sums, self.scale)
     return quant.Table(self.qembedding, self.scale)
 
 
@@ -255,7 +281,7 @@ class Qwen2(nn.Module):
   cfg: config_lib.Qwen2Config
   dtype: jnp.dtype = jnp.float32
   int8: bool = False  # weights in `jspec.quant`'s form
-  packed_table: bool = False  # output table stored as panels (`jspec.layout` "packed")
+  packed_table: bool = False  # output table stored as kernel panels (`jspec.layout`, `quant.pack`)
 
   @nn.compact
   def __call__(self, tokens, cache: cache_lib.KVCache, logits_at: Optional[jax.Array] = None,
@@ -277,7 +303,7 @@ class Qwen2(nn.Module):
     """
     cfg = self.cfg
     if self.int8:
-      embed = QuantEmbed(cfg.vocab_size, cfg.hidden_size, name="embed_tokens")
+      embed = QuantEmbed(cfg.vocab_size, cfg.hidden_size, self.packed_table, name="embed_tokens")
     elif self.packed_table and cfg.tie_word_embeddings:
       embed = PackedEmbed(cfg.vocab_size, cfg.hidden_size, self.dtype, name="embed_tokens")
     else:
@@ -294,24 +320,24 @@ class Qwen2(nn.Module):
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)  # [B, T', D]
     x = RMSNorm(cfg.rms_norm_eps, name="norm")(x)
-    width = cpu_kernels.PANEL
-    if self.packed_table and cfg.tie_word_embeddings:
-      table = embed.panels  # [V/32, D, 32]
-    elif self.packed_table:
-      table = _param(self, "lm_head_panels", nn.initializers.zeros,
-                     (cfg.vocab_size // width, cfg.hidden_size, width), self.dtype)
+    if cfg.tie_word_embeddings and self.int8:
+      table = embed.table()  # [V, D] int8, plain or packed
     elif cfg.tie_word_embeddings:
-      table = embed.table() if self.int8 else embed.embedding  # [V, D]
+      table = embed.panels if self.packed_table else embed.embedding  # [V/32, D, 32] or [V, D]
     elif self.int8:
       table = quant.Table(
           _param(self, "qlm_head", nn.initializers.zeros, (cfg.vocab_size, cfg.hidden_size), jnp.int8),
           _param(self, "qlm_head_scale", nn.initializers.ones, (cfg.vocab_size,), jnp.float32))
+    elif self.packed_table:
+      width = cpu_kernels.PANEL
+      table = _param(self, "lm_head_panels", nn.initializers.zeros,
+                     (cfg.vocab_size // width, cfg.hidden_size, width), self.dtype)
     else:
       table = _param(self, "lm_head", nn.initializers.normal(0.02),
                          (cfg.vocab_size, cfg.hidden_size), self.dtype)  # [V, D]
     if head is not None:
       table = head  # [V', D]
-    if isinstance(table, quant.Table):
+    if isinstance(table, (quant.Table, quant.PackedTable)):
       logits = quant.matmul(x, table)
     elif table.ndim == 3:  # panels
       logits = cpu_kernels.matmul(x, table).astype(jnp.float32)
@@ -337,7 +363,8 @@ def forward(params: Params, cfg: config_lib.Qwen2Config, tokens: jax.Array,
     ([B, T', V'] float32 logits, updated cache).
   """
   int8 = quant.is_quantized(params)
-  packed_table = "panels" in params["embed_tokens"] or "lm_head_panels" in params
+  embed = params["embed_tokens"]
+  packed_table = "panels" in embed or "qpanels" in embed or "lm_head_panels" in params
   return Qwen2(cfg, compute_dtype(params), int8, packed_table).apply(
       {"params": params}, tokens, cache, logits_at, head)
 

@@ -171,7 +171,7 @@ def lower(name: str, fn: Callable, args: Sequence[Any], static: dict,
     # jspec's own CPU kernel is a custom call export cannot vouch for; the
     # key holds its source (`source_digest`), so a stored program only ever
     # runs against the kernel it was traced with.
-    checks = [export.DisabledSafetyCheck.custom_call(cpu_kernels.TARGET)]
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in cpu_kernels.TARGETS]
     exported = export.export(jax.jit(functools.partial(fn, **static)), disabled_checks=checks)(*args)
     _write_atomic(path, bytes(exported.serialize()))
 

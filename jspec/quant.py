@@ -40,6 +40,20 @@ class Table(NamedTuple):
     return self.q.shape
 
 
+class PackedTable(NamedTuple):
+  """An int8 [rows, cols] matrix stored for jspec's int8 kernel (`cpu_kernels.pack_int8`)."""
+
+  panels: jax.Array  # [R / 32, ceil(C / 4), 32, 4] int8
+  sums: jax.Array  # [R] int32, each row's sum
+  scale: jax.Array  # [R] float32
+
+  def rows(self, ids: jax.Array, cols: int) -> jax.Array:
+    """Rows `ids` of the int8 matrix, [..., cols] int8 (the token embedding's lookup)."""
+    width = cpu_kernels.PANEL
+    picked = self.panels[ids // width, :, ids % width, :]  # [..., C/4, 4]
+    return picked.reshape(*ids.shape, -1)[..., :cols]
+
+
 def quantize_rows(matrix) -> Table:
   """Symmetric int8 quantization with one scale per row.
 
@@ -66,12 +80,13 @@ def _quantize_rows(m: jax.Array):  # [R, C] -> ([R, C] int8, [R] float32)
   return q, scale
 
 
-def matmul(x: jax.Array, table: Table) -> jax.Array:
+def matmul(x: jax.Array, table) -> jax.Array:
   """x @ table.T with x quantized per row: [..., C] x [R, C] -> [..., R] float32.
 
   Args:
     x: [..., C] float activations.
-    table: the int8 weight, [R = out, C = in], per-row (per output) scales.
+    table: the int8 weight, [R = out, C = in], per-row (per output) scales:
+      a `Table`, or a `PackedTable` for jspec's int8 kernel.
 
   Returns:
     [..., R] float32.
@@ -79,20 +94,59 @@ def matmul(x: jax.Array, table: Table) -> jax.Array:
   lead, c = x.shape[:-1], x.shape[-1]
   rows = x.reshape(-1, c).astype(jnp.float32)  # [M, C]
   m = rows.shape[0]
-  if m == 1:  # XLA CPU's int8 dot is 10-20x slower for one row than for two
+  packed = isinstance(table, PackedTable)
+  if m == 1 and not packed:  # XLA CPU's int8 dot is 10-20x slower for one row than for two
     rows = jnp.concatenate([rows, rows], axis=0)
   amax = jnp.max(jnp.abs(rows), axis=1, keepdims=True)  # [M, 1]
   x_scale = jnp.where(amax > 0, amax / 127.0, 1.0)
   xq = jnp.clip(jnp.round(rows / x_scale), -127, 127).astype(jnp.int8)
-  acc = jax.lax.dot_general(xq, table.q, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.int32)  # [M, R]
+  if packed:
+    acc = cpu_kernels.matmul_int8(xq, table.panels, table.sums)  # [M, R]
+  else:
+    acc = jax.lax.dot_general(xq, table.q, (((1,), (1,)), ((), ())),
+                              preferred_element_type=jnp.int32)  # [M, R]
   y = acc.astype(jnp.float32) * x_scale * table.scale[None, :]
-  return y[:m].reshape(*lead, table.q.shape[0])
+  return y[:m].reshape(*lead, y.shape[-1])
 
 
 def is_quantized(params: Dict[str, Any]) -> bool:
   """Whether a params tree holds int8 weights (see the module docstring)."""
-  return "qembedding" in params["embed_tokens"]
+  return "qembedding" in params["embed_tokens"] or "qpanels" in params["embed_tokens"]
+
+
+def is_packed(params: Dict[str, Any]) -> bool:
+  """Whether int8 params are stored for jspec's int8 kernel (`pack`)."""
+  return "qpanels" in params["layers_0"]["mlp"]["up_proj"]
+
+
+def pack(params: Dict[str, Any]) -> Dict[str, Any]:
+  """Int8 params with every matrix the int8 kernel can take stored for it (`cpu_kernels.pack_int8`).
+
+  `qweight` [out, in] becomes `qpanels` and `sums` (`scale` stays) where
+  out is a multiple of 32; a tied `qembedding` the same way, which the
+  token lookup then reads through `PackedTable.rows`. An untied head stays
+  as it is.
+
+  Args:
+    params: int8 params as `quantize` returns them; its dicts are modified.
+
+  Returns:
+    `params` itself.
+  """
+  def walk(node: Dict[str, Any]) -> None:
+    for key in list(node):
+      value = node[key]
+      if isinstance(value, dict):
+        walk(value)
+      elif key in ("qweight", "qembedding") and value.shape[0] % cpu_kernels.PANEL == 0:
+        del node[key]
+        node["qpanels"], node["sums"] = cpu_kernels.pack_int8(value)
+
+  if "qlm_head" in params:  # untied: the embedding is only looked up
+    walk({k: v for k, v in params.items() if k != "embed_tokens"})
+  else:
+    walk(params)
+  return params
 
 
 def quantize(params: Dict[str, Any]) -> Dict[str, Any]:
@@ -130,8 +184,15 @@ def quantize(params: Dict[str, Any]) -> Dict[str, Any]:
   return walk(params)
 
 
-def output_table(params: Dict[str, Any], tied: bool) -> Table:
-  """The int8 output head of quantized params: the embedding table if tied, else `qlm_head`."""
+def output_table(params: Dict[str, Any], tied: bool):
+  """The int8 output head of quantized params: the embedding table if tied, else `qlm_head`.
+
+  Returns:
+    A `Table`, or a `PackedTable` for a packed tied table.
+  """
+  embed = params["embed_tokens"]
+  if tied and "qpanels" in embed:
+    return PackedTable(embed["qpanels"], embed["sums"], embed["scale"])
   if tied:
-    return Table(params["embed_tokens"]["qembedding"], params["embed_tokens"]["scale"])
+    return Table(embed["qembedding"], embed["scale"])
   return Table(params["qlm_head"], params["qlm_head_scale"])

@@ -101,3 +101,41 @@ def test_turning_the_kernel_off_falls_back_to_xla_layouts():
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        check=True).stdout
   assert out.split() == ["False", "turned", "off", "by", "JSPEC_CPU_KERNELS=0", "cols", "rows"]
+
+
+def _int8(shape, seed):
+  return np.random.RandomState(seed).randint(-127, 128, size=shape).astype(np.int8)
+
+
+def test_int8_kernel_builds_where_the_host_has_vnni():
+  if not HAVE_COMPILER:
+    pytest.skip("no C++ compiler here")
+  flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+  assert cpu_kernels.int8_available() == ("avx512_vnni" in flags and "avx512f" in flags)
+
+
+@pytest.mark.parametrize("m", [1, 2, 9, 13])
+@pytest.mark.parametrize("k,n", [(64, 32), (37, 96), (896, 128)])
+def test_matmul_int8_is_exact(m, k, n, monkeypatch):
+  # K = 37 is padded to 40 inside; M = 13 spans two row tiles.
+  xq, q = _int8((m, k), m), _int8((n, k), k + n)
+  panels, sums = cpu_kernels.pack_int8(jnp.asarray(q))
+  want = xq.astype(np.int64) @ q.astype(np.int64).T
+  got = jax.jit(cpu_kernels.matmul_int8)(jnp.asarray(xq), panels, sums)
+  assert got.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(got), want)
+  monkeypatch.setattr(cpu_kernels, "int8_available", lambda: False)
+  fallback = jax.jit(cpu_kernels.matmul_int8)(jnp.asarray(xq), panels, sums)  # XLA's int8 dot
+  np.testing.assert_array_equal(np.asarray(fallback), want)
+
+
+def test_pack_int8_interleaves_four_k_per_output_and_round_trips():
+  q = _int8((64, 10), 5)
+  panels, sums = cpu_kernels.pack_int8(jnp.asarray(q))
+  assert panels.shape == (2, 3, 32, 4) and panels.dtype == jnp.int8  # K 10 -> 12
+  np.testing.assert_array_equal(np.asarray(panels[1, 2, 5, :2]), q[32 + 5, 8:10])
+  np.testing.assert_array_equal(np.asarray(panels[1, 2, 5, 2:]), [0, 0])  # padding
+  np.testing.assert_array_equal(np.asarray(sums), q.astype(np.int32).sum(axis=1))
+  np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_int8(panels, 10)), q)
+  with pytest.raises(ValueError, match="40 rows are not a multiple of 32"):
+    cpu_kernels.pack_int8(jnp.zeros((40, 8), jnp.int8))

@@ -152,3 +152,43 @@ def test_int8_is_the_default_on_cpu_only():
   assert jspec.api.draft_int8_default("cpu") is True
   assert jspec.api.draft_int8_default("gpu") is False
   assert jspec.api.draft_int8_default("tpu") is False
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_int8_params_compute_exactly_what_plain_int8_ones_do(tied):
+  cfg = dataclasses.replace(tiny.PACKABLE_TARGET, tie_word_embeddings=tied)
+  params = model.init_params(cfg, jax.random.key(3), scale=0.3)
+  plain = quant.quantize(params)
+  packed = quant.pack(quant.quantize(params))
+  assert quant.is_packed(packed) and not quant.is_packed(plain)
+  assert set(packed["layers_0"]["mlp"]["down_proj"]) == {"qpanels", "sums", "scale"}
+  # Tied, the table is the head and is packed; untied, the head stays as it is.
+  assert ("qpanels" in packed["embed_tokens"]) == tied and ("qlm_head" in packed) != tied
+  for t in (1, 5):
+    tokens = np.random.RandomState(t).randint(0, cfg.vocab_size, size=(2, t)).astype(np.int32)
+    want, want_cache = _forward(plain, cfg, tokens)
+    got, got_cache = _forward(packed, cfg, tokens)
+    # The same int32 products, rescaled the same way: equal, not just close.
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got_cache.k), np.asarray(want_cache.k))
+
+
+def test_generate_packs_the_int8_draft_where_the_kernel_runs_and_stays_exact(monkeypatch):
+  from jspec import cpu_kernels
+  if not cpu_kernels.int8_available():
+    pytest.skip(f"no int8 CPU kernel here: {cpu_kernels.unavailable_reason() or 'no AVX-512 VNNI'}")
+  bundle = tiny.packable_pair(8)
+  prompt = np.random.RandomState(8).randint(0, tiny.PACKABLE_VOCAB, size=9).tolist()
+  base = jspec.generate(bundle, prompt, max_new_tokens=20, method="target")
+  spec = jspec.generate(bundle, prompt, max_new_tokens=20, gamma=3, policy="fixed")
+  assert quant.is_packed(bundle.draft_weights(None, True).params)
+  assert spec.token_ids == base.token_ids and spec.stats["draft_int8"] is True
+  cut = bundle.draft_weights(40, True).head  # a cut head reads the packed table's rows
+  full = quant.quantize(bundle.draft.params)["embed_tokens"]["qembedding"]
+  np.testing.assert_array_equal(np.asarray(cut.q), np.asarray(full[:40]))
+  monkeypatch.setattr(cpu_kernels, "int8_available", lambda: False)
+  plain = jspec.Bundle(bundle.target, bundle.draft)
+  again = jspec.generate(plain, prompt, max_new_tokens=20, gamma=3, policy="fixed")
+  assert not quant.is_packed(plain.draft_weights(None, True).params)
+  # Exact int32 products either way, so the same drafts and the same rounds.
+  assert again.token_ids == spec.token_ids and again.stats["rounds"] == spec.stats["rounds"]

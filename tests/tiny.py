@@ -24,9 +24,9 @@ PACKABLE_VOCAB = 64
 PACKABLE_TARGET = config_lib.Qwen2Config(
     vocab_size=PACKABLE_VOCAB, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
     num_kv_heads=2, head_dim=16, rope_theta=1e4, eos_token_ids=())
-PACKABLE_DRAFT = config_lib.Qwen2Config(
+PACKABLE_DRAFT = config_lib.Qwen2Config(  # tied, like the real drafts: the table is the head
     vocab_size=PACKABLE_VOCAB, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
-    num_kv_heads=1, head_dim=16, rope_theta=1e4, eos_token_ids=())
+    num_kv_heads=1, head_dim=16, rope_theta=1e4, eos_token_ids=(), tie_word_embeddings=True)
 
 
 def packable_pair(seed: int = 0, scale: float = 0.3) -> jspec.Bundle:
