@@ -269,6 +269,21 @@ def test_same_shapes_compile_once_and_run_all_rounds_in_one_dispatch(monkeypatch
   assert calls == ["prefill", "run"]  # many rounds, one dispatch of the loop
 
 
+def test_prefill_pads_to_an_eighth_of_the_bucket_and_shares_the_loop_program():
+  assert [api._prefill_bucket(n) for n in (1, 16, 17, 35, 78, 157, 317, 512, 513)] == [
+      16, 16, 32, 48, 80, 160, 320, 512, 640]
+  bundle = tiny.pair(9)
+  target = jspec.generate(bundle, tiny.prompt(3, 33), max_new_tokens=12, method="target")
+  first = jspec.generate(bundle, tiny.prompt(3, 33), max_new_tokens=12, gamma=2)
+  compiles = api.PROGRAMS.compiles
+  # 60 tokens: the same loop buffers (bucket 64), a wider prefill (64, not 48).
+  second = jspec.generate(bundle, tiny.prompt(4, 60), max_new_tokens=12, gamma=2)
+  assert api.PROGRAMS.compiles == compiles + 1  # the prefill only
+  assert first.token_ids == target.token_ids
+  assert second.token_ids == jspec.generate(bundle, tiny.prompt(4, 60), max_new_tokens=12,
+                                            method="target").token_ids
+
+
 def test_stream_concatenates_to_generate_and_can_be_abandoned():
   bundle = tiny.pair(10)
   kw = dict(max_new_tokens=25, temperature=0.8, gamma=3, seed=2)
