@@ -83,7 +83,9 @@ def git() -> dict[str, Any]:
     {"commit", "dirty", "changed": up to 20 changed paths}.
   """
   status = _git("status", "--porcelain")
-  changed = [line[3:] for line in (status or "").splitlines()]
+  # "XY path" per line; `_git` strips the output, which takes the first
+  # line's leading space (" M path"), so split on whitespace, not at column 3.
+  changed = [line.split(maxsplit=1)[-1] for line in (status or "").splitlines()]
   return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(changed), "changed": changed[:20]}
 
 
