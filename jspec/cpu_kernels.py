@@ -1,6 +1,7 @@
-"""jspec's CPU matmul kernel (`cpu_kernels.cc`): built on first use, called inside XLA programs.
+"""jspec's CPU matmul kernels (`cpu_kernels.cc`): built on first use, called inside XLA programs.
 
-    matmul(x [..., K], panels [N/32, K, 32]) -> [..., N]
+    matmul(x [..., K], panels [N/32, K, 32]) -> [..., N]                 (fp32)
+    matmul_int8(xq [M, K], panels [N/32, K/4, 32, 4], sums [N]) -> [M, N] (exact int32)
 
 XLA CPU's own dot re-packs its weight operand on every call and does not
 overlap those memory reads with the arithmetic, so a decode step, which
@@ -17,7 +18,8 @@ file and renamed, so a half-written library is never loaded. Where that
 cannot be done (no compiler, JSPEC_CPU_KERNELS=0) `available()` says no,
 with the reason in `unavailable_reason()`, and jspec lays the target out
 for XLA's own dot instead; a packed model still runs everywhere, through
-an einsum.
+an einsum. The int8 kernel also needs AVX-512 VNNI (`int8_available()`);
+without it the draft keeps XLA's int8 dot.
 """
 
 from __future__ import annotations
