@@ -124,14 +124,12 @@ def unpack_table(panels: jax.Array) -> jax.Array:
 
 @jax.jit
 def _pack_table(table: jax.Array) -> jax.Array:  # [V, D] -> [V/32, D, 32]
-  v, d = table.shape
-  return table.reshape(v // PANEL, PANEL, d).transpose(0, 2, 1)
+  return _pack(table.T)  # a table is an [out, in] matrix: its head's kernel is table.T
 
 
 @jax.jit
 def _unpack_table(panels: jax.Array) -> jax.Array:  # [V/32, D, 32] -> [V, D]
-  p, d, width = panels.shape
-  return panels.transpose(0, 2, 1).reshape(p * width, d)
+  return _unpack(panels).T
 
 
 def matmul(x: jax.Array, panels: jax.Array) -> jax.Array:

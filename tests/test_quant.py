@@ -12,6 +12,7 @@ import pytest
 import jspec
 import tiny
 from jspec import cache as cache_lib
+from jspec import cpu_kernels
 from jspec import layout
 from jspec import model
 from jspec import quant
@@ -174,7 +175,6 @@ def test_packed_int8_params_compute_exactly_what_plain_int8_ones_do(tied):
 
 
 def test_generate_packs_the_int8_draft_where_the_kernel_runs_and_stays_exact(monkeypatch):
-  from jspec import cpu_kernels
   if not cpu_kernels.int8_available():
     pytest.skip(f"no int8 CPU kernel here: {cpu_kernels.unavailable_reason() or 'no AVX-512 VNNI'}")
   bundle = tiny.packable_pair(8)
