@@ -58,6 +58,8 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                     help="static gamma bound of the adaptive policies (default 8)")
   what.add_argument("--cumulative-gamma-max", type=int, default=16,
                     help="static gamma bound of the cumulative policy (default 16)")
+  what.add_argument("--lookup-model-gamma-max", type=int, default=16,
+                    help="static gamma bound of lookup_model (default 16)")
   what.add_argument("--min-confidence", type=float, default=0.5,
                     help="threshold of the confidence and cumulative policies (default 0.5)")
   what.add_argument("--lookup-gamma", type=int, default=4, help="prompt lookup drafts (default 4)")
@@ -117,6 +119,7 @@ def _defaults(opts: argparse.Namespace) -> argparse.Namespace:
   if smoke:
     opts.adaptive_gamma_max = min(opts.adaptive_gamma_max, max(opts.gammas) + 1)
     opts.cumulative_gamma_max = min(opts.cumulative_gamma_max, max(opts.gammas) + 1)
+    opts.lookup_model_gamma_max = min(opts.lookup_model_gamma_max, max(opts.gammas) + 1)
   if opts.random_weights and opts.modes is None:
     # On random weights only round costs mean anything: target, fixed gammas, the HF target.
     opts.modes = "target,spec,hf_target"

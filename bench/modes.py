@@ -17,7 +17,8 @@ Mode names are the keys of the results JSON:
                     jspec.generate's draft_int8=False)
   prompt_lookup     jspec, drafts copied from earlier n-grams (no draft model)
   lookup_model      jspec, prompt lookup where the last n-gram occurred before,
-                    the draft model (confidence policy) where it did not
+                    the draft model (confidence policy) where it did not (up
+                    to --lookup-model-gamma-max drafts)
   hf_target         HF transformers `generate`, the target alone
   hf_assisted       HF transformers `generate` with `assistant_model=` the draft
 """
@@ -68,7 +69,7 @@ class Mode:
 def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: float,
               lookup_gamma: int, ngram: int, draft_vocab: Optional[int] = None,
               head_cuts: Sequence[int] = (), float_draft: bool = False,
-              cumulative_gamma_max: int = 16) -> list[Mode]:
+              cumulative_gamma_max: int = 16, lookup_model_gamma_max: int = 16) -> list[Mode]:
   """Every mode a default run measures, in report order.
 
   Args:
@@ -118,8 +119,9 @@ def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: fl
   modes.append(Mode("prompt_lookup", "jspec", "lookup",
                     {"method": "prompt_lookup", "gamma": lookup_gamma, "ngram": ngram,
                      "policy": "fixed"}))
+  g_lookup = lookup_model_gamma_max
   modes.append(Mode("lookup_model", "jspec", "lookup",
-                    {**draft, "method": "lookup_model", "gamma": g_max, "gamma_max": g_max,
+                    {**draft, "method": "lookup_model", "gamma": g_lookup, "gamma_max": g_lookup,
                      "ngram": ngram, "policy": "confidence", "min_confidence": min_confidence}))
   modes.append(Mode("hf_target", "hf", "hf"))
   modes.append(Mode("hf_assisted", "hf", "hf"))

@@ -270,7 +270,8 @@ def run(opts: argparse.Namespace, argv: Optional[list[str]] = None) -> int:
   start = time.perf_counter()
   all_modes = modes_lib.all_modes(opts.gammas, opts.adaptive_gamma_max, opts.min_confidence,
                                   opts.lookup_gamma, opts.ngram, opts.draft_vocab,
-                                  opts.head_cuts, opts.float_draft, opts.cumulative_gamma_max)
+                                  opts.head_cuts, opts.float_draft, opts.cumulative_gamma_max,
+                                  opts.lookup_model_gamma_max)
   try:
     chosen = modes_lib.select(all_modes, opts.modes, hf=not opts.no_hf)
     prompt_list = _prompt_list(opts)
