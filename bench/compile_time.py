@@ -1,6 +1,6 @@
 """Compile time of the speculative program: a cold process, then a second one with the cache.
 
-    python -m bench.compile_time [--gamma 4] [--policy fixed]
+    python -m bench.compile_time [--gamma 4] [--policy fixed] [--method model]
 
 Runs two fresh processes one after the other, both with JAX's persistent
 compilation cache pointed at the same new empty directory. The first traces
@@ -42,8 +42,11 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m bench.compile_time", description=__doc__)
   parser.add_argument("--gamma", type=int, default=4)
   parser.add_argument("--policy", default="fixed")
+  parser.add_argument("--method", default="model",
+                      choices=("model", "prompt_lookup", "lookup_model", "target"),
+                      help="jspec.generate's method (default model)")
   args = parser.parse_args(argv)
-  kwargs = json.dumps({"gamma": args.gamma, "policy": args.policy})
+  kwargs = json.dumps({"gamma": args.gamma, "policy": args.policy, "method": args.method})
   results = {}
   with tempfile.TemporaryDirectory(prefix="jspec-xla-") as xla_dir:
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": xla_dir}
@@ -56,7 +59,8 @@ def main(argv=None) -> int:
       results[run] = json.loads(proc.stdout.strip().splitlines()[-1])
       print(f"{run}: compile {results[run]['compile_s']:.1f} s "
             f"(model load {results[run]['load_s']:.1f} s, not included)", flush=True)
-  print(json.dumps({"gamma": args.gamma, "policy": args.policy, **results}))
+  print(json.dumps({"gamma": args.gamma, "policy": args.policy, "method": args.method,
+                    **results}))
   return 0
 
 

@@ -8,7 +8,6 @@ The decode loop itself never returns to Python between rounds.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import Any, Callable, Generator, Optional, Sequence, Union
 
@@ -40,6 +39,12 @@ MAX_BATCH = 64
 # still had the best median of thresholds 0.2-0.7, not by a bench command.)
 DEFAULT_POLICY = "confidence"
 DEFAULT_GAMMA = {"fixed": 4, "heuristic": 4, "confidence": 8, "cumulative": 16}
+# method "lookup_model" with a stopping policy: a copied span costs one verify
+# however long it is, so a round may copy up to 16 tokens (the model's own
+# drafts still stop on confidence). Measured on the real pair by
+# `python -m bench` (README "Results", reps3_kernels_cpu.json): the edit
+# prompt took 12 rounds instead of 19 at 8.
+DEFAULT_LOOKUP_MODEL_GAMMA = 16
 
 
 @dataclasses.dataclass
@@ -333,6 +338,8 @@ def _spec(bundle: Bundle, method: str, temperature: float, top_k: int, top_p: fl
     raise ValueError(f"policy={policy!r}: expected one of {decode.POLICIES}")
   if gamma is None:
     gamma = DEFAULT_GAMMA[policy]
+    if method == "lookup_model" and policy in decode.STOPPING_POLICIES:
+      gamma = max(gamma, DEFAULT_LOOKUP_MODEL_GAMMA)
   if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1:
     raise ValueError(f"gamma={gamma!r}: expected an integer >= 1")
   g_max = gamma if gamma_max is None else gamma_max
@@ -357,7 +364,7 @@ def enable_persistent_cache() -> None:
   them again. A cache directory the user configured already is left alone;
   JSPEC_XLA_CACHE=0 turns this off.
   """
-  if os.environ.get("JSPEC_XLA_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
+  if not program_store.caching_on() or jax.config.jax_compilation_cache_dir:
     return
   jax.config.update("jax_compilation_cache_dir", str(fetch.cache_dir() / "xla"))
   # The tiny programs of tests compile in well under a second; cache what matters.
@@ -557,7 +564,8 @@ def generate(bundle: Bundle, prompt: Union[Prompt, Sequence[Prompt]], *,
       seconds for the real target when the method changes.
     gamma: drafts per round: the fixed value, the heuristic's start, the
       confidence and cumulative policies' cap (default: `DEFAULT_GAMMA` of
-      the policy).
+      the policy; at least `DEFAULT_LOOKUP_MODEL_GAMMA` for "lookup_model"
+      with those two policies).
     gamma_max: static bound on gamma (default: gamma; 8 for the heuristic).
     policy: "fixed", "heuristic" (+2 / -1), "confidence" (stop drafting
       when the draft's top probability < min_confidence; the default, chosen

@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the K most likely tokens; 0 is off (default: 0)")
   gen.add_argument("--gamma", type=_number(int, 1), default=None, metavar="G",
                    help="draft tokens per round: fixed value, heuristic start, confidence or "
-                        "cumulative cap (default: 4, 4, 8, 16 by policy)")
+                        "cumulative cap (default: 4, 4, 8, 16 by policy; at least 16 with "
+                        "--draft lookup_model and a confidence or cumulative policy)")
   gen.add_argument("--gamma-max", type=_number(int, 1), default=None, metavar="G",
                    help="upper bound on gamma (default: gamma, or 8 for the heuristic)")
   gen.add_argument("--policy", choices=POLICIES, default=api.DEFAULT_POLICY,

@@ -57,6 +57,16 @@ def _register_pytrees() -> None:
 _register_pytrees()
 
 
+def caching_on() -> bool:
+  """Whether compiled programs are kept between processes (JSPEC_XLA_CACHE=0 turns it off).
+
+  Returns:
+    False only when JSPEC_XLA_CACHE is "0"; both the XLA executable cache
+    (`api.enable_persistent_cache`) and this store follow it.
+  """
+  return os.environ.get("JSPEC_XLA_CACHE", "1") != "0"
+
+
 def store_dir() -> Optional[pathlib.Path]:
   """Where programs are kept: `<XLA cache dir>/jspec-programs`, or None when off.
 
@@ -67,7 +77,7 @@ def store_dir() -> Optional[pathlib.Path]:
   Returns:
     The directory (not created yet), or None.
   """
-  if os.environ.get("JSPEC_XLA_CACHE", "1") == "0":
+  if not caching_on():
     return None
   xla_dir = jax.config.jax_compilation_cache_dir
   return pathlib.Path(xla_dir) / _SUBDIR if xla_dir else None

@@ -246,6 +246,17 @@ def test_prompt_lookup_without_a_match_emits_one_target_token_per_round():
   assert out.stats["drafted"] == 0 and out.stats["rounds"] == 1
 
 
+def test_lookup_model_copies_up_to_sixteen_by_default_and_model_drafts_eight():
+  bundle = tiny.pair(8)
+  spec = lambda method, policy, gamma=None: api._spec(bundle, method, 0.0, 0, 1.0, gamma, None,
+                                                      policy, 0.5, 3)
+  assert spec("lookup_model", "confidence").gamma_max == api.DEFAULT_LOOKUP_MODEL_GAMMA == 16
+  assert spec("lookup_model", "cumulative").gamma_max == 16
+  assert spec("model", "confidence").gamma_max == 8
+  assert spec("lookup_model", "fixed").gamma_max == 4  # no stopping rule: fixed gamma
+  assert spec("lookup_model", "confidence", gamma=5).gamma_max == 5  # asked for
+
+
 def test_same_shapes_compile_once_and_run_all_rounds_in_one_dispatch(monkeypatch):
   bundle = tiny.pair(9)
   jspec.generate(bundle, [1, 2, 3], max_new_tokens=30, gamma=2)
