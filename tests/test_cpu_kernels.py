@@ -39,6 +39,23 @@ def test_matmul_matches_numpy(m, k, n):
   np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("m", [13, 30])
+def test_a_row_comes_out_bit_for_bit_the_same_whatever_rows_share_the_call(m):
+  # More than one row tile goes over K in blocks of 512 (K = 1100: two whole
+  # blocks and a part), reloading each accumulator between blocks; a row
+  # alone goes over K in one pass. The FMAs are the same, in the same
+  # order, so a verify row equals the target-only step's bit for bit.
+  if not cpu_kernels.available():
+    pytest.skip(f"kernel unavailable: {cpu_kernels.unavailable_reason()}")
+  x, w = _random((m, 1100), m), _random((1100, 64), 7)
+  panels = cpu_kernels.pack(jnp.asarray(w))
+  mm = jax.jit(cpu_kernels.matmul)
+  many = np.asarray(mm(jnp.asarray(x), panels))
+  np.testing.assert_allclose(many, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-3)
+  for row in (0, 12, m - 1):
+    np.testing.assert_array_equal(many[row], np.asarray(mm(jnp.asarray(x[row:row + 1]), panels))[0])
+
+
 def test_matmul_keeps_leading_axes_and_matches_its_fallback(monkeypatch):
   x, w = _random((2, 3, 48), 0), _random((48, 64), 1)
   panels = cpu_kernels.pack(jnp.asarray(w))
