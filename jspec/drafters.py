@@ -74,7 +74,10 @@ def catch_up_widths(gamma_max: int, hybrid: bool) -> tuple[int, ...]:
   With a draft model alone the draft lacks one or two tokens per round
   (x_{n-1}, and x_{n-2} after a fully accepted round). When prompt lookup
   drafted some rounds instead, the draft missed everything those rounds
-  emitted, up to G + 1 tokens each, fed in chunks of up to G + 1.
+  emitted, up to G + 1 tokens each, fed in chunks of up to G + 1. Between 2
+  and G + 1 the widths are 9, 17, 33, ...: every width is one more compiled
+  draft forward (first-call compile time), and a few more positions cost
+  the draft little next to the target's verify.
 
   Args:
     gamma_max: G.
@@ -86,7 +89,7 @@ def catch_up_widths(gamma_max: int, hybrid: bool) -> tuple[int, ...]:
   if not hybrid:
     return (1, 2)
   full = gamma_max + 1
-  return tuple(sorted({1, 2, full} | {2**k + 1 for k in range(1, full.bit_length())
+  return tuple(sorted({1, 2, full} | {2**k + 1 for k in range(3, full.bit_length())
                                       if 2**k + 1 < full}))
 
 

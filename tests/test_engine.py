@@ -375,7 +375,9 @@ def test_draft_catch_up_feeds_every_missing_token_in_chunks():
   stale = jnp.arange(slots)[None, None, :, None, None] >= held[None, :, None, None, None]
   dcache = dcache.replace(k=jnp.where(stale, 9.0, dcache.k), v=jnp.where(stale, 9.0, dcache.v))
   widths = drafters.catch_up_widths(8, hybrid=True)
-  assert widths == (1, 2, 3, 5, 9)
+  assert widths == (1, 2, 9)
+  assert drafters.catch_up_widths(16, hybrid=True) == (1, 2, 9, 17)
+  assert drafters.catch_up_widths(4, hybrid=True) == (1, 2, 5)
   logits, dcache = drafters._first_step(params, cfg, dcache, tokens, seq_len,
                                         held, None, widths)
   for row in range(4):
