@@ -1,66 +1,125 @@
-"""One jspec mode on one prompt: a warm-up when it compiles, then repetitions and their medians.
+"""jspec modes on one prompt: a warm-up when a mode compiles, then interleaved repetitions and their medians.
 
 Compile time is already outside jspec's timings (`generate` compiles before it
 starts the clock, and reports compile_s apart). A call that did compile is
 still thrown away as a warm-up, so a freshly built program's first run never
 counts; a call that reused a compiled program (an earlier prompt of the same
 length bucket) is a repetition like any other.
+
+Repetitions are interleaved across modes (target, A, B, target, A, B, ...):
+this machine's memory bandwidth is shared and swings by a third over minutes,
+and a memory-bound target-only step feels it more than a verify does, so
+timing each mode's repetitions back to back put a swing on whichever mode
+happened to run during it, and the ratios with it.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import jspec
 from bench import modes as modes_lib
+from jspec import api
+
+_FRESH = ("compile_s", "relayout_s", "quantize_s")
 
 
 def _median(values: Sequence[float]) -> float:
   return float(statistics.median(values)) if values else float("nan")
 
 
-def run_mode(bundle: jspec.Bundle, ids: list[int], mode: modes_lib.Mode, max_new_tokens: int,
-             reps: int, stop_at_eos: bool, target_bytes: int,
-             draft_bytes: Optional[int]) -> dict[str, Any]:
-  """Measures one jspec mode on one prompt.
+def interleavable(bundle: jspec.Bundle, modes: Sequence[modes_lib.Mode]) -> bool:
+  """Whether the modes' calls can alternate without relaying the target out between them.
+
+  Without jspec's CPU kernel target-only and the speculative methods store
+  the target differently (`api.target_layout`), so alternating them would
+  convert the weights before every call (seconds each, and a warm-up).
+
+  Args:
+    bundle: the loaded pair.
+    modes: jspec modes.
+
+  Returns:
+    True when every mode uses the same target layout.
+  """
+  where = api.platform(bundle)
+  kinds = {api.target_layout(m.kwargs.get("method", "model"), 1, where) for m in modes}
+  return len(kinds) <= 1
+
+
+def run_modes(bundle: jspec.Bundle, ids: list[int], modes: Sequence[modes_lib.Mode],
+              max_new_tokens: int, reps: int, stop_at_eos: bool, target_bytes: int,
+              draft_bytes: Mapping[str, Optional[int]],
+              interleave: bool = True) -> dict[str, dict[str, Any]]:
+  """Measures jspec modes on one prompt.
+
+  Every mode first gets one call that is thrown away if it compiled (or laid
+  the target out, or made the int8 draft); then repetition r of every mode
+  runs before repetition r + 1 of any (with `interleave`), or each mode's
+  repetitions back to back (without: when modes need different target
+  layouts, see `interleavable`). A mode's compiled programs are kept until
+  the caller releases them (`api.release_programs`), so alternating
+  compiles nothing.
 
   Args:
     bundle: the loaded pair.
     ids: prompt token ids.
-    mode: a jspec mode.
+    modes: jspec modes.
     max_new_tokens: tokens to generate.
     reps: timed repetitions (>= 1); figures are their medians.
     stop_at_eos: end at the tokenizer's EOS tokens (the run's stopping rule).
     target_bytes: weight bytes one target forward reads (`memory.forward_bytes`).
-    draft_bytes: the same for the draft (None without one).
+    draft_bytes: mode name -> the draft's weight bytes per draft forward
+      (None without one).
+    interleave: alternate the modes' repetitions.
 
   Returns:
-    The mode's record for the results JSON: token_ids (of the first timed
-    repetition), reps_identical, new_tokens, medians (tokens_per_s,
+    Mode name -> its record for the results JSON: token_ids (of the first
+    timed repetition), reps_identical, new_tokens, medians (tokens_per_s,
     decode_tokens_per_s, prefill_s, decode_s), per-repetition timings, the
     engine's counters (rounds, acceptance, histogram, gamma trace),
     compile_s, relayout_s, quantize_s and warmup_s, and achieved_gbs.
   """
-  kwargs = dict(max_new_tokens=max_new_tokens, temperature=0.0, stop_at_eos=stop_at_eos,
-                **mode.kwargs)
-  compile_s, relayout_s, quantize_s, warmup_s, warmup_ids = 0.0, 0.0, 0.0, None, None
-  runs = []
-  while len(runs) < reps:
+  runs: dict[str, list] = {m.name: [] for m in modes}
+  warm: dict[str, tuple] = {}
+
+  def call(m: modes_lib.Mode) -> None:
     t0 = time.perf_counter()
-    result = jspec.generate(bundle, ids, **kwargs)
+    result = jspec.generate(bundle, ids, max_new_tokens=max_new_tokens, temperature=0.0,
+                            stop_at_eos=stop_at_eos, **m.kwargs)
     wall = time.perf_counter() - t0
     # A call that compiled, first laid the target out for this mode
-    # (`jspec.layout`) or first made the int8 draft (freshly written weights)
-    # is a warm-up.
-    fresh = any(result.stats[k] > 0 for k in ("compile_s", "relayout_s", "quantize_s"))
-    if fresh and warmup_s is None:
-      compile_s, relayout_s = result.stats["compile_s"], result.stats["relayout_s"]
-      quantize_s = result.stats["quantize_s"]
-      warmup_s, warmup_ids = wall, result.token_ids
-      continue
-    runs.append(result)
+    # (`jspec.layout`) or first made the int8 draft (freshly written
+    # weights) is a warm-up.
+    if m.name not in warm and any(result.stats[k] > 0 for k in _FRESH):
+      warm[m.name] = (result, wall)
+    else:
+      runs[m.name].append(result)
+
+  order = [[m] for m in modes] if interleave else [[m] * (reps + 1) for m in modes]
+  for group in order:
+    for m in group:
+      if len(runs[m.name]) < reps:
+        call(m)
+  while any(len(runs[m.name]) < reps for m in modes):
+    for m in modes:
+      if len(runs[m.name]) < reps:
+        call(m)
+  return {m.name: _record(m, runs[m.name], warm.get(m.name), target_bytes, draft_bytes[m.name])
+          for m in modes}
+
+
+def _record(mode: modes_lib.Mode, runs: list, warm: Optional[tuple], target_bytes: int,
+            draft_bytes: Optional[int]) -> dict[str, Any]:
+  """One mode's record from its timed calls and its warm-up (see `run_modes`)."""
+  compile_s = relayout_s = quantize_s = 0.0
+  warmup_s, warmup_ids = None, None
+  if warm is not None:
+    result, warmup_s = warm
+    compile_s, relayout_s, quantize_s = (result.stats[k] for k in _FRESH)
+    warmup_ids = result.token_ids
   first, last = runs[0], runs[-1]
   every_ids = [r.token_ids for r in runs] + ([warmup_ids] if warmup_ids is not None else [])
   stats = last.stats

@@ -163,27 +163,34 @@ def _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order) -> bool:
   results.write(doc, out)
   total = len(prompt_list) * len(jmodes)
   done = 0
+  interleave = engine.interleavable(bundle, jmodes)
+  if not interleave:
+    _log("the modes lay the target out differently (no CPU kernel): each mode's "
+         "repetitions run back to back, not interleaved")
   for p in prompt_list:
     entry = doc["prompts"][p.name]
+    todo = [m for m in jmodes if not results.has(doc, p.name, m.name)]
+    d_bytes = {m.name: _draft_bytes(bundle, m) for m in todo}
+    recs = engine.run_modes(bundle, entry["prompt_ids"], todo, opts.max_new_tokens, opts.reps,
+                            opts.stop_at_eos, t_bytes, d_bytes, interleave) if todo else {}
+    # The prompt's programs go once it is measured: kept for the next
+    # prompts they pile up (about 150 MB per program pair, some 30 pairs over
+    # the suite) to 1.6x the weights in peak RSS. A later prompt of the same
+    # bucket compiles again (mostly a load from the persistent cache), and
+    # its first call is a warm-up.
+    api.release_programs()
+    memory.release_freed()
     for m in jmodes:
       done += 1
-      if results.has(doc, p.name, m.name):
+      if m.name not in recs:
         continue
-      rec = engine.run_mode(bundle, entry["prompt_ids"], m, opts.max_new_tokens, opts.reps,
-                            opts.stop_at_eos, t_bytes, _draft_bytes(bundle, m))
-      # A mode's programs go once it is measured: no later record of this
-      # prompt uses them, and kept for the next prompts they pile up (about
-      # 150 MB per program pair, some 30 pairs over the suite) to 1.6x the
-      # weights in peak RSS. A later record of the same bucket compiles again
-      # (mostly a load from the persistent cache) and its first call is a warm-up.
-      api.release_programs()
-      memory.release_freed()
+      rec = recs[m.name]
       if m.name == "target" and bundle.tokenizer is not None:
         entry["target_text"] = bundle.tokenizer.decode(rec["token_ids"])
       results.put(doc, p.name, m.name, rec)
       _progress(f"[{done}/{total}] ", p.name, m.name, rec, entry["modes"].get("target"))
-      results.finalize(doc, order)
-      results.write(doc, out)
+    results.finalize(doc, order)
+    results.write(doc, out)
     if not doc["gate"]["passed"] and not opts.allow_mismatch:
       _log(f"greedy ids differ from jspec target-only on {p.name}; stopping "
            "(--allow-mismatch finishes the run)")

@@ -1,8 +1,8 @@
 """The benchmark harness on tiny random models: the pipeline runs, the JSON is whole, the gate bites.
 
 These run `python -m bench --smoke` in-process into tmp_path (the bench
-releases each mode's programs once it is measured, so every run compiles its
-own). No figure is asserted: the benchmark is the check of speed, this file
+releases each prompt's programs once it is measured, so every run compiles
+its own). No figure is asserted: the benchmark is the check of speed, this file
 only keeps the harness from rotting.
 """
 
@@ -63,11 +63,32 @@ def test_smoke_run_writes_every_figure(smoke_run):
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_no_compiled_program_outlives_its_mode(smoke_run):
+def test_no_compiled_program_outlives_its_prompt(smoke_run):
   # Kept, every mode's programs of every bucket pile up over a suite run to
   # gigabytes of peak RSS on the real pair (see bench.runner).
   assert smoke_run[0] == 0
   assert api.PROGRAMS.cache == {}
+
+
+def test_repetitions_alternate_between_modes_after_one_warm_up_each(tmp_path, monkeypatch):
+  # A swing in the shared machine's bandwidth must land on every mode alike,
+  # not on whichever mode's repetitions ran back to back during it.
+  real, calls = jspec.generate, []
+
+  def logged(bundle, prompt, **kwargs):
+    result = real(bundle, prompt, **kwargs)
+    calls.append((kwargs.get("method"), result.stats["compile_s"] > 0))
+    return result
+
+  monkeypatch.setattr(jspec, "generate", logged)
+  code = bench_main.main(SMOKE + ["--prompts", "quicksort", "--modes", "target,spec_g2",
+                                  "--reps", "3", "--no-hf", "--out", str(tmp_path / "r.json")])
+  assert code == 0
+  methods = [m for m, _ in calls]
+  assert methods == ["target", "model"] + ["target", "model"] * 3
+  assert [fresh for _, fresh in calls[2:]] == [False] * 6  # nothing compiles between them
+  doc = json.loads((tmp_path / "r.json").read_text())
+  assert len(doc["prompts"]["quicksort"]["modes"]["spec_g2"]["reps"]) == 3
 
 
 def test_planted_mismatch_fails_loudly(tmp_path, monkeypatch, capsys, smoke_run):
