@@ -205,3 +205,14 @@ def test_gate_and_agreement_on_a_hand_made_document():
   assert doc["hf_agreement"]["p"]["hf_target"] == {"equal": False, "agree_len": 2, "length": 3}
   assert doc["prompts"]["p"]["modes"]["spec_g1"]["speedup_vs_target"] == pytest.approx(1.5)
   assert doc["prompts"]["p"]["modes"]["spec_g1"]["speedup_vs_hf_target"] == pytest.approx(3.0)
+
+
+def test_the_compile_target_counts_every_speculative_program_lookup_included():
+  doc = results.new({"prompts": ["p"]})
+  rec = lambda tps, compile_s: {"engine": "jspec", "token_ids": [1, 2], "tokens_per_s": tps,
+                                "compile_s": compile_s}
+  doc["prompts"]["p"] = {"kind": "code", "modes": {
+      "target": rec(2.0, 99.0), "confidence": rec(5.0, 30.0), "lookup_model": rec(5.0, 70.0)}}
+  results.finalize(doc, ["target", "confidence", "lookup_model"])
+  compile_target = doc["targets"]["max_first_call_compile_s_speculative"]
+  assert compile_target["value"] == 70.0 and compile_target["met"] is False
