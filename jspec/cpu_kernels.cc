@@ -104,6 +104,15 @@ constexpr TileFn kTiles[kRows + 1] = {nullptr,   Tile<1>,  Tile<2>, Tile<3>, Til
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 constexpr bool kHaveInt8 = true;
 
+// acc += dot4(u8 lanes of a, s8 lanes of b), in place. Written as asm
+// because GCC 12 copies the accumulator on every `_mm512_dpbusd_epi32`
+// (the intrinsic reads as a fresh result), and with 24 accumulators those
+// copies spilled to the stack on every step of K (seen in the assembly).
+inline __m512i Dpbusd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
 template <int MR>
 void TileI8(const uint8_t* x, int64_t ldx, const int8_t* panel, int64_t groups, int32_t* y,
             int64_t ldy) {
@@ -123,8 +132,8 @@ void TileI8(const uint8_t* x, int64_t ldx, const int8_t* panel, int64_t groups, 
       int32_t four;  // x[m, 4g : 4g + 4], one byte per lane byte
       std::memcpy(&four, x + m * ldx + 4 * g, sizeof(four));
       const __m512i b = _mm512_set1_epi32(four);
-      lo[m] = _mm512_dpbusd_epi32(lo[m], b, w_lo);
-      hi[m] = _mm512_dpbusd_epi32(hi[m], b, w_hi);
+      lo[m] = Dpbusd(lo[m], b, w_lo);
+      hi[m] = Dpbusd(hi[m], b, w_hi);
     }
   }
   for (int m = 0; m < MR; ++m) {
