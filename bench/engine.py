@@ -98,14 +98,14 @@ def run_modes(bundle: jspec.Bundle, ids: list[int], modes: Sequence[modes_lib.Mo
     else:
       runs[m.name].append(result)
 
-  order = [[m] for m in modes] if interleave else [[m] * (reps + 1) for m in modes]
-  for group in order:
-    for m in group:
-      if len(runs[m.name]) < reps:
-        call(m)
-  while any(len(runs[m.name]) < reps for m in modes):
+  if interleave:
+    while any(len(runs[m.name]) < reps for m in modes):
+      for m in modes:
+        if len(runs[m.name]) < reps:
+          call(m)
+  else:
     for m in modes:
-      if len(runs[m.name]) < reps:
+      while len(runs[m.name]) < reps:
         call(m)
   return {m.name: _record(m, runs[m.name], warm.get(m.name), target_bytes, draft_bytes[m.name])
           for m in modes}
