@@ -2,6 +2,7 @@
 //
 //   jspec_gemm_f32(x [M, K] f32, w [P, K, 32] f32) -> y [M, P * 32] f32
 //   jspec_gemm_i8(x [M, K] u8, w [P, K/4, 32, 4] s8) -> y [M, P * 32] s32
+//   jspec_gemm_s8(x [M, K] s8, w [P, K/4, 32, 4] s8) -> y [M, P * 32] s32
 //
 // `w` is a [K, N] weight stored as N / 32 panels of 32 output columns, each
 // panel contiguous ([P, K, 32]; `jspec.layout` "packed"). Why this exists:
@@ -14,24 +15,28 @@
 // panels, the weight streams through once, sequentially, while the FMAs run.
 //
 // The tile: up to 12 rows x 32 columns of accumulators (24 of the 32 AVX-512
-// registers), one pass over K per panel; more rows reuse the panel from L2.
-// Written with GCC vector extensions, so it also builds (slower) where
-// AVX-512 is missing. Panels are shared between XLA's intra-op threads.
+// registers; 3 rows, 12 of 16 registers, with AVX2), one pass over K per
+// panel; more rows reuse the panel from L2. Written with GCC vector
+// extensions of the host's register width, so it builds wherever GCC does.
+// Panels are shared between XLA's intra-op threads.
 //
-// The int8 one is the draft's (`jspec.quant`): XLA's int8 x int8 dot runs at
-// ~21 GB/s here, bound by its kernel, not by memory. With AVX-512 VNNI four
-// u8 x s8 products accumulate per 32-bit lane in one instruction; the
-// weight panels interleave 4 k per output for it. Built only where the
-// host has VNNI (`JspecHaveInt8`).
+// The int8 ones are the draft's (`jspec.quant`): XLA's int8 x int8 dot runs
+// at ~21 GB/s on an AVX-512 host, bound by its kernel, not by memory. With
+// AVX-512 VNNI four u8 x s8 products accumulate per 32-bit lane in one
+// instruction; the weight panels interleave 4 k per output for it. Built
+// only where the host has VNNI (`JspecHaveInt8`); AVX2 hosts get the same
+// product from four instructions (`JspecHaveS8`, jspec_gemm_s8).
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <utility>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -42,7 +47,14 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kPanel = 32;  // output columns per panel
-constexpr int64_t kRows = 12;   // rows per register tile
+// Rows per register tile: each row holds 32 accumulators, two AVX-512
+// registers (12 rows take 24 of the 32), or four AVX2 ones, of which there
+// are only 16: there 3 rows (12 registers) leave room for the weights.
+#if defined(__AVX512F__)
+constexpr int64_t kRows = 12;
+#else
+constexpr int64_t kRows = 3;
+#endif
 // K rows of a panel per block when M needs more than one row tile: 64 KiB
 // of f32 panel, which stays in L2 while every row tile passes over it, so
 // the weight is read from memory once however many tiles there are. (Whole
@@ -52,8 +64,15 @@ constexpr int64_t kRows = 12;   // rows per register tile
 // measurements".)
 constexpr int64_t kBlockK = 512;
 
-typedef float Vec __attribute__((vector_size(64)));                // 16 floats
-typedef float VecU __attribute__((vector_size(64), aligned(4)));   // unaligned load
+// One native vector register of floats: a panel row is kVecs of them.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;  // AVX2: GCC splits wider vectors through the stack
+#endif
+constexpr int64_t kVecs = kPanel / kLanes;
+typedef float Vec __attribute__((vector_size(4 * kLanes)));
+typedef float VecU __attribute__((vector_size(4 * kLanes), aligned(4)));  // unaligned load
 
 // y[m, 0:32] = sum_k x[m, k] * panel[k, 0:32] for m in [0, MR), or with
 // `accumulate` y[m, 0:32] + that sum (the same FMAs in the same order as one
@@ -61,20 +80,20 @@ typedef float VecU __attribute__((vector_size(64), aligned(4)));   // unaligned 
 template <int MR>
 void Tile(const float* x, int64_t ldx, const float* panel, int64_t k_size, float* y,
           int64_t ldy, bool accumulate) {
-  Vec lo[MR], hi[MR];
+  Vec acc[MR][kVecs];
   for (int m = 0; m < MR; ++m) {
-    if (accumulate) {
-      std::memcpy(&lo[m], y + m * ldy, sizeof(Vec));
-      std::memcpy(&hi[m], y + m * ldy + 16, sizeof(Vec));
-    } else {
-      lo[m] = Vec{};
-      hi[m] = Vec{};
+    for (int v = 0; v < kVecs; ++v) {
+      if (accumulate) {
+        std::memcpy(&acc[m][v], y + m * ldy + v * kLanes, sizeof(Vec));
+      } else {
+        acc[m][v] = Vec{};
+      }
     }
   }
   for (int64_t k = 0; k < k_size; ++k) {
     const float* row = panel + k * kPanel;
-    const Vec w_lo = *reinterpret_cast<const VecU*>(row);
-    const Vec w_hi = *reinterpret_cast<const VecU*>(row + 16);
+    Vec w[kVecs];
+    for (int v = 0; v < kVecs; ++v) w[v] = *reinterpret_cast<const VecU*>(row + v * kLanes);
     // 16 rows (2 KiB) ahead: the hardware prefetcher alone leaves the FMAs
     // waiting at the start of every panel.
     __builtin_prefetch(row + 16 * kPanel, 0, 3);
@@ -82,20 +101,21 @@ void Tile(const float* x, int64_t ldx, const float* panel, int64_t k_size, float
 #pragma GCC unroll 12
     for (int m = 0; m < MR; ++m) {
       const float b = x[m * ldx + k];
-      lo[m] += b * w_lo;
-      hi[m] += b * w_hi;
+      for (int v = 0; v < kVecs; ++v) acc[m][v] += b * w[v];
     }
   }
   for (int m = 0; m < MR; ++m) {
-    std::memcpy(y + m * ldy, &lo[m], sizeof(Vec));
-    std::memcpy(y + m * ldy + 16, &hi[m], sizeof(Vec));
+    for (int v = 0; v < kVecs; ++v) std::memcpy(y + m * ldy + v * kLanes, &acc[m][v], sizeof(Vec));
   }
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool);
-constexpr TileFn kTiles[kRows + 1] = {nullptr,   Tile<1>,  Tile<2>, Tile<3>, Tile<4>,
-                                      Tile<5>,   Tile<6>,  Tile<7>, Tile<8>, Tile<9>,
-                                      Tile<10>,  Tile<11>, Tile<12>};
+// kTiles[r] is Tile<r> for r in [1, kRows].
+template <int... R>
+constexpr std::array<TileFn, kRows + 1> MakeTiles(std::integer_sequence<int, R...>) {
+  return {nullptr, Tile<R + 1>...};
+}
+constexpr auto kTiles = MakeTiles(std::make_integer_sequence<int, kRows>{});
 
 // y[m, 0:32] (int32) = sum_k xu[m, k] * panel[k / 4, 0:32, k % 4] for m in [0, MR):
 // unsigned 8-bit activations times signed 8-bit weights, four k at a time
@@ -149,6 +169,61 @@ constexpr TileI8Fn kTilesI8[kRows + 1] = {nullptr,     TileI8<1>,  TileI8<2>, Ti
                                           TileI8<12>};
 #else
 constexpr bool kHaveInt8 = false;  // the Python side then keeps XLA's int8 dot
+#endif
+
+// y[m, 0:32] (int32) = sum_k xs[m, k] * panel[k / 4, 0:32, k % 4] for m in [0, MR):
+// signed times signed bytes, for hosts with AVX2 but no VNNI (the Python
+// side prefers jspec_gemm_i8 where both exist). AVX2 has no four-way byte
+// dot, but `vpmaddubsw` multiplies unsigned by signed bytes and adds pairs
+// into 16 bits: |x| times w carrying x's sign (`vpsignb`) is each product,
+// and with |x| <= 128 and |w| <= 127 (`jspec.quant` clips to +-127) a pair
+// is at most 32512 in size, under 16-bit saturation; `vpmaddwd` by ones then
+// adds the pairs into the 32-bit lanes. Exact, like the VNNI kernel.
+#if defined(__AVX2__)
+constexpr bool kHaveS8 = true;
+// 8 rows x 4 vectors of accumulators would need 32 of AVX2's 16 registers:
+// 2 rows (8) leave room for each row's |x| and sign and the weights.
+constexpr int64_t kRowsS8 = 2;
+
+template <int MR>
+void TileS8(const int8_t* x, int64_t ldx, const int8_t* panel, int64_t groups, int32_t* y,
+            int64_t ldy) {
+  constexpr int kV = kPanel / 8;  // 8 outputs (x 4 k) per 32-byte vector
+  __m256i acc[MR][kV];
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < kV; ++v) acc[m][v] = _mm256_setzero_si256();
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* block = panel + g * 4 * kPanel;  // [32 outputs, 4 k]
+    __builtin_prefetch(block + 16 * 4 * kPanel, 0, 3);
+    __builtin_prefetch(block + 16 * 4 * kPanel + 64, 0, 3);
+    __m256i a[MR], abs_a[MR];
+    for (int m = 0; m < MR; ++m) {
+      int32_t four;  // x[m, 4g : 4g + 4], one byte per lane byte
+      std::memcpy(&four, x + m * ldx + 4 * g, sizeof(four));
+      a[m] = _mm256_set1_epi32(four);
+      abs_a[m] = _mm256_abs_epi8(a[m]);
+    }
+    for (int v = 0; v < kV; ++v) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * v));
+      for (int m = 0; m < MR; ++m) {
+        const __m256i pairs = _mm256_maddubs_epi16(abs_a[m], _mm256_sign_epi8(w, a[m]));
+        acc[m][v] = _mm256_add_epi32(acc[m][v], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < kV; ++v) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + 8 * v), acc[m][v]);
+    }
+  }
+}
+
+using TileS8Fn = void (*)(const int8_t*, int64_t, const int8_t*, int64_t, int32_t*, int64_t);
+constexpr TileS8Fn kTilesS8[kRowsS8 + 1] = {nullptr, TileS8<1>, TileS8<2>};
+#else
+constexpr bool kHaveS8 = false;
 #endif
 
 // A spin-wait hint: the chunks still running take microseconds.
@@ -257,7 +332,38 @@ ffi::Error GemmI8(ffi::ThreadPool pool, Bytes x, Int8Panels w, ffi::Result<Int32
   });
   return ffi::Error::Success();
 #else
-  return ffi::Error::Unimplemented("jspec_gemm_i8: built without AVX-512 VNNI");
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "jspec_gemm_i8: built without AVX-512 VNNI");
+#endif
+}
+
+using SignedBytes = ffi::Buffer<ffi::S8, 2>;
+
+ffi::Error GemmS8(ffi::ThreadPool pool, SignedBytes x, Int8Panels w,
+                  ffi::Result<Int32Matrix> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto yd = y->dimensions();
+  if (wd[2] != kPanel || wd[3] != 4 || 4 * wd[1] != xd[1] || yd[0] != xd[0] ||
+      yd[1] != wd[0] * kPanel) {
+    return ffi::Error::InvalidArgument(
+        "jspec_gemm_s8: expected x [M, K], w [N/32, K/4, 32, 4] and y [M, N]");
+  }
+#if defined(__AVX2__)
+  const int8_t* xp = x.typed_data();
+  const int8_t* wp = w.typed_data();
+  int32_t* yp = y->typed_data();
+  const int64_t m_size = xd[0], k_size = xd[1], groups = wd[1], n_size = yd[1];
+  ForEachPanel(pool, wd[0], [=](int64_t p) {
+    const int8_t* panel = wp + p * groups * 4 * kPanel;
+    for (int64_t m0 = 0; m0 < m_size; m0 += kRowsS8) {
+      const int64_t rows = std::min(kRowsS8, m_size - m0);
+      kTilesS8[rows](xp + m0 * k_size, k_size, panel, groups, yp + m0 * n_size + p * kPanel,
+                     n_size);
+    }
+  });
+  return ffi::Error::Success();
+#else
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "jspec_gemm_s8: built without AVX2");
 #endif
 }
 
@@ -265,6 +371,9 @@ ffi::Error GemmI8(ffi::ThreadPool pool, Bytes x, Int8Panels w, ffi::Result<Int32
 
 // 1 when jspec_gemm_i8 was built (the host has AVX-512 VNNI), else 0.
 extern "C" int JspecHaveInt8() { return kHaveInt8 ? 1 : 0; }
+
+// 1 when jspec_gemm_s8 was built (the host has AVX2), else 0.
+extern "C" int JspecHaveS8() { return kHaveS8 ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmF32, GemmF32,
                               ffi::Ffi::Bind()
@@ -277,5 +386,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmI8, GemmI8,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Bytes>()
+                                  .Arg<Int8Panels>()
+                                  .Ret<Int32Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmS8, GemmS8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<SignedBytes>()
                                   .Arg<Int8Panels>()
                                   .Ret<Int32Matrix>());

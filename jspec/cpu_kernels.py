@@ -18,8 +18,8 @@ file and renamed, so a half-written library is never loaded. Where that
 cannot be done (no compiler, JSPEC_CPU_KERNELS=0) `available()` says no,
 with the reason in `unavailable_reason()`, and jspec lays the target out
 for XLA's own dot instead; a packed model still runs everywhere, through
-an einsum. The int8 kernel also needs AVX-512 VNNI (`int8_available()`);
-without it the draft keeps XLA's int8 dot.
+an einsum. The int8 kernel needs AVX-512 VNNI or, a slower variant, AVX2
+(`int8_kind()`); without either the draft keeps XLA's int8 dot.
 """
 
 from __future__ import annotations
@@ -44,10 +44,11 @@ from jspec import fetch
 PANEL = 32  # output columns per panel: the kernel's tile width
 GROUP = 4  # k per int8 lane (`vpdpbusd`)
 TARGET = "jspec_gemm_f32"  # the FFI target names inside compiled programs
-TARGET_INT8 = "jspec_gemm_i8"
-TARGETS = (TARGET, TARGET_INT8)
+TARGET_INT8 = "jspec_gemm_i8"  # u8 x s8, AVX-512 VNNI
+TARGET_S8 = "jspec_gemm_s8"  # s8 x s8, AVX2
+TARGETS = (TARGET, TARGET_INT8, TARGET_S8)
 SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
-_SYMBOLS = {TARGET: "JspecGemmF32", TARGET_INT8: "JspecGemmI8"}
+_SYMBOLS = {TARGET: "JspecGemmF32", TARGET_INT8: "JspecGemmI8", TARGET_S8: "JspecGemmS8"}
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
 _LIBRARY = None  # the loaded library: kept referenced so it is never unloaded
 
@@ -166,13 +167,38 @@ def available() -> bool:
   return _load() is None
 
 
-def int8_available() -> bool:
-  """Whether the int8 kernel is too: it needs AVX-512 VNNI on the host.
+def int8_kind() -> Optional[str]:
+  """Which int8 kernel `matmul_int8` runs on this host's CPU, if any.
 
   Returns:
-    True when `matmul_int8` runs the kernel on CPU.
+    "vnni" (AVX-512 VNNI: four u8 x s8 products per instruction), "avx2"
+    (s8 x s8 through 16-bit pair sums, about four instructions for the
+    same work: still reading a quarter of float32's bytes), or None (XLA's
+    int8 dot).
   """
-  return available() and bool(_LIBRARY.JspecHaveInt8())
+  kinds = int8_kinds()
+  return kinds[0] if kinds else None
+
+
+def int8_kinds() -> tuple[str, ...]:
+  """Every int8 kernel built for this host, the preferred (`int8_kind`) first.
+
+  Returns:
+    A subset of ("vnni", "avx2"): an AVX-512 VNNI host has both.
+  """
+  if not available():
+    return ()
+  return tuple(kind for kind, have in (("vnni", _LIBRARY.JspecHaveInt8()),
+                                       ("avx2", _LIBRARY.JspecHaveS8())) if have)
+
+
+def int8_available() -> bool:
+  """Whether an int8 kernel runs on this host (`int8_kind` is not None).
+
+  Returns:
+    True when `matmul_int8` runs one of jspec's kernels on CPU.
+  """
+  return int8_kind() is not None
 
 
 def pack_int8(q: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -212,8 +238,9 @@ def unpack_int8(panels: jax.Array, k: int) -> jax.Array:
 def matmul_int8(xq: jax.Array, panels: jax.Array, sums: jax.Array) -> jax.Array:
   """xq @ q.T in int32 for q stored by `pack_int8`: [M, K] int8 -> [M, N] int32.
 
-  The kernel multiplies unsigned by signed bytes, so xq is shifted by 128
-  into [1, 255] and 128 * (row sums of q) taken off again: exact.
+  The VNNI kernel multiplies unsigned by signed bytes, so xq is shifted by
+  128 into [1, 255] and 128 * (row sums of q) taken off again: exact. The
+  AVX2 one takes xq as it is.
 
   Args:
     xq: [M, K] int8 activations (symmetric, so in [-127, 127]).
@@ -224,12 +251,15 @@ def matmul_int8(xq: jax.Array, panels: jax.Array, sums: jax.Array) -> jax.Array:
   """
   m, k = xq.shape
   p, groups, width, group = panels.shape
-  if int8_available() and jax.default_backend() == "cpu":
-    shifted = (xq.astype(jnp.int32) + 128).astype(jnp.uint8)
-    shifted = jnp.pad(shifted, ((0, 0), (0, groups * group - k)))  # zeros meet zero weights
-    out_type = jax.ShapeDtypeStruct((m, p * width), jnp.int32)
+  kind = int8_kind() if jax.default_backend() == "cpu" else None
+  out_type = jax.ShapeDtypeStruct((m, p * width), jnp.int32)
+  pad = ((0, 0), (0, groups * group - k))  # zeros meet zero weights
+  if kind == "vnni":
+    shifted = jnp.pad((xq.astype(jnp.int32) + 128).astype(jnp.uint8), pad)
     acc = jax.ffi.ffi_call(TARGET_INT8, out_type)(shifted, panels)
     return acc - 128 * sums[None, :]
+  if kind == "avx2":
+    return jax.ffi.ffi_call(TARGET_S8, out_type)(jnp.pad(xq, pad), panels)
   q = unpack_int8(panels, k)  # [N, K]
   return jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
 

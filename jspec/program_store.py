@@ -127,6 +127,10 @@ def program_key(name: str, args: Sequence[Any], static: dict) -> str:
   parts = [source_digest(), name, jax.default_backend(), device.device_kind,
            repr(sorted(static.items())), str(tree), repr([_aval(x) for x in leaves])]
   parts += [f"{flag}={getattr(jax.config, flag, None)}" for flag in _TRACE_CONFIG]
+  if jax.default_backend() == "cpu":
+    # Which CPU kernels a trace calls depends on the host (a cache directory
+    # can move to a machine without AVX-512, whose library lacks VNNI's).
+    parts.append(f"cpu_kernels={cpu_kernels.available()},{cpu_kernels.int8_kind()}")
   return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:40]
 
 

@@ -124,24 +124,31 @@ def _int8(shape, seed):
   return np.random.RandomState(seed).randint(-127, 128, size=shape).astype(np.int8)
 
 
-def test_int8_kernel_builds_where_the_host_has_vnni():
+def test_int8_kernels_build_for_the_hosts_instructions():
   if not HAVE_COMPILER:
     pytest.skip("no C++ compiler here")
-  flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-  assert cpu_kernels.int8_available() == ("avx512_vnni" in flags and "avx512f" in flags)
+  flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+  want = (("vnni",) if "avx512_vnni" in flags and "avx512f" in flags else ()) + (
+      ("avx2",) if "avx2" in flags else ())
+  assert cpu_kernels.int8_kinds() == want
+  assert cpu_kernels.int8_kind() == (want[0] if want else None)
 
 
-@pytest.mark.parametrize("m", [1, 2, 9, 13])
+@pytest.mark.parametrize("kind", ["vnni", "avx2"])
+@pytest.mark.parametrize("m", [1, 2, 3, 9, 13])
 @pytest.mark.parametrize("k,n", [(64, 32), (37, 96), (896, 128)])
-def test_matmul_int8_is_exact(m, k, n, monkeypatch):
-  # K = 37 is padded to 40 inside; M = 13 spans two row tiles.
+def test_matmul_int8_is_exact(kind, m, k, n, monkeypatch):
+  # K = 37 is padded to 40 inside; M = 3 and 13 span row tiles of 2 and 12.
+  if kind not in cpu_kernels.int8_kinds():
+    pytest.skip(f"no {kind} int8 kernel on this host")
+  monkeypatch.setattr(cpu_kernels, "int8_kind", lambda: kind)
   xq, q = _int8((m, k), m), _int8((n, k), k + n)
   panels, sums = cpu_kernels.pack_int8(jnp.asarray(q))
   want = xq.astype(np.int64) @ q.astype(np.int64).T
   got = jax.jit(cpu_kernels.matmul_int8)(jnp.asarray(xq), panels, sums)
   assert got.dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(got), want)
-  monkeypatch.setattr(cpu_kernels, "int8_available", lambda: False)
+  monkeypatch.setattr(cpu_kernels, "int8_kind", lambda: None)
   fallback = jax.jit(cpu_kernels.matmul_int8)(jnp.asarray(xq), panels, sums)  # XLA's int8 dot
   np.testing.assert_array_equal(np.asarray(fallback), want)
 

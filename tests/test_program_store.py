@@ -15,6 +15,7 @@ import pytest
 import jspec
 import tiny
 from jspec import api
+from jspec import cpu_kernels
 from jspec import decode
 from jspec import program_store
 
@@ -105,6 +106,25 @@ def test_the_key_names_every_input_of_the_trace():
   assert program_store.program_key("run", (jnp.zeros((2, 3), jnp.int32),), spec) != arrays
   with jax.default_matmul_precision("highest"):  # a setting that changes the traced program
     assert program_store.program_key("run", (jnp.zeros((2, 3)),), spec) != arrays
+
+
+def test_the_key_names_the_cpu_kernels_a_trace_calls(monkeypatch):
+  # A cache directory moved to a host without VNNI must not run a program
+  # that calls jspec_gemm_i8 (whose AVX2 build refuses), nor one without
+  # the kernels where they exist now.
+  if jax.default_backend() != "cpu":
+    pytest.skip("the CPU kernels only enter CPU programs")
+  base = program_store.program_key("run", ([1, 2],), {"spec": "a"})
+  here = cpu_kernels.int8_kind()
+  for kind in ("vnni", "avx2", None):
+    if kind != here:
+      monkeypatch.setattr(cpu_kernels, "int8_kind", lambda kind=kind: kind)
+      assert program_store.program_key("run", ([1, 2],), {"spec": "a"}) != base, kind
+  monkeypatch.undo()
+  have, kind = cpu_kernels.available(), cpu_kernels.int8_kind()
+  monkeypatch.setattr(cpu_kernels, "int8_kind", lambda: kind)
+  monkeypatch.setattr(cpu_kernels, "available", lambda: not have)
+  assert program_store.program_key("run", ([1, 2],), {"spec": "a"}) != base
 
 
 # A packable target: with the CPU kernel the stored programs hold its custom

@@ -176,7 +176,7 @@ def test_packed_int8_params_compute_exactly_what_plain_int8_ones_do(tied):
 
 def test_generate_packs_the_int8_draft_where_the_kernel_runs_and_stays_exact(monkeypatch):
   if not cpu_kernels.int8_available():
-    pytest.skip(f"no int8 CPU kernel here: {cpu_kernels.unavailable_reason() or 'no AVX-512 VNNI'}")
+    pytest.skip(f"no int8 CPU kernel here: {cpu_kernels.unavailable_reason() or 'no AVX2'}")
   bundle = tiny.packable_pair(8)
   prompt = np.random.RandomState(8).randint(0, tiny.PACKABLE_VOCAB, size=9).tolist()
   base = jspec.generate(bundle, prompt, max_new_tokens=20, method="target")
@@ -186,7 +186,7 @@ def test_generate_packs_the_int8_draft_where_the_kernel_runs_and_stays_exact(mon
   cut = bundle.draft_weights(40, True).head  # a cut head reads the packed table's rows
   full = quant.quantize(bundle.draft.params)["embed_tokens"]["qembedding"]
   np.testing.assert_array_equal(np.asarray(cut.q), np.asarray(full[:40]))
-  monkeypatch.setattr(cpu_kernels, "int8_available", lambda: False)
+  monkeypatch.setattr(cpu_kernels, "int8_kind", lambda: None)
   plain = jspec.Bundle(bundle.target, bundle.draft)
   again = jspec.generate(plain, prompt, max_new_tokens=20, gamma=3, policy="fixed")
   assert not quant.is_packed(plain.draft_weights(None, True).params)
