@@ -34,6 +34,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <string>
 #include <utility>
 
 #if defined(__AVX2__)
@@ -109,6 +110,43 @@ void Tile(const float* x, int64_t ldx, const float* panel, int64_t k_size, float
   }
 }
 
+// Panels that one row (M = 1, a decode step) streams through at once. That
+// product is bound by memory alone, and on a Zen 3 (AVX2) host one core
+// reads a single sequential stream at only ~11 GB/s, where XLA's matrix-
+// vector product over [out, in] rows reads several rows at once, at ~15-20
+// (by hand, per core, on the target's matrices). Two panels in step, each
+// with its own accumulators, read as fast as XLA there, and without the
+// software prefetch, which on that host slowed a stream (README "Design
+// measurements"). The AVX-512 host reads one panel at 97% of its roofline
+// with the prefetch, so it keeps Tile<1>.
+#if defined(__AVX512F__)
+constexpr int64_t kRowPanels = 1;
+#else
+constexpr int64_t kRowPanels = 2;
+#endif
+
+// y[0, 32p : 32p + 32] = sum_k x[0, k] * panel_p[k, 0:32] for p in [0, NP),
+// where panel_p starts at panel + p * panel_stride: the same FMAs in the
+// same order as Tile<1> on each panel, so the output is bit for bit the same.
+template <int NP>
+void RowTile(const float* x, const float* panel, int64_t panel_stride, int64_t k_size,
+             float* y) {
+  Vec acc[NP][kVecs];
+  for (int p = 0; p < NP; ++p) {
+    for (int v = 0; v < kVecs; ++v) acc[p][v] = Vec{};
+  }
+  for (int64_t k = 0; k < k_size; ++k) {
+    const float b = x[k];
+    for (int p = 0; p < NP; ++p) {
+      const float* row = panel + p * panel_stride + k * kPanel;
+      for (int v = 0; v < kVecs; ++v) acc[p][v] += b * *reinterpret_cast<const VecU*>(row + v * kLanes);
+    }
+  }
+  for (int p = 0; p < NP; ++p) {
+    for (int v = 0; v < kVecs; ++v) std::memcpy(y + p * kPanel + v * kLanes, &acc[p][v], sizeof(Vec));
+  }
+}
+
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool);
 // kTiles[r] is Tile<r> for r in [1, kRows].
 template <int... R>
@@ -163,10 +201,12 @@ void TileI8(const uint8_t* x, int64_t ldx, const int8_t* panel, int64_t groups, 
 }
 
 using TileI8Fn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, int32_t*, int64_t);
-constexpr TileI8Fn kTilesI8[kRows + 1] = {nullptr,     TileI8<1>,  TileI8<2>, TileI8<3>,
-                                          TileI8<4>,   TileI8<5>,  TileI8<6>, TileI8<7>,
-                                          TileI8<8>,   TileI8<9>,  TileI8<10>, TileI8<11>,
-                                          TileI8<12>};
+// kTilesI8[r] is TileI8<r> for r in [1, kRows].
+template <int... R>
+constexpr std::array<TileI8Fn, kRows + 1> MakeTilesI8(std::integer_sequence<int, R...>) {
+  return {nullptr, TileI8<R + 1>...};
+}
+constexpr auto kTilesI8 = MakeTilesI8(std::make_integer_sequence<int, kRows>{});
 #else
 constexpr bool kHaveInt8 = false;  // the Python side then keeps XLA's int8 dot
 #endif
@@ -221,7 +261,7 @@ void TileS8(const int8_t* x, int64_t ldx, const int8_t* panel, int64_t groups, i
 }
 
 using TileS8Fn = void (*)(const int8_t*, int64_t, const int8_t*, int64_t, int32_t*, int64_t);
-constexpr TileS8Fn kTilesS8[kRowsS8 + 1] = {nullptr, TileS8<1>, TileS8<2>};
+constexpr std::array<TileS8Fn, kRowsS8 + 1> kTilesS8 = {nullptr, TileS8<1>, TileS8<2>};
 #else
 constexpr bool kHaveS8 = false;
 #endif
@@ -288,6 +328,21 @@ ffi::Error GemmF32(ffi::ThreadPool pool, Matrix x, Panels w, ffi::Result<Matrix>
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
   const int64_t m_size = xd[0], k_size = xd[1], n_size = yd[1];
+  if (kRowPanels > 1 && m_size == 1) {
+    const int64_t groups = (wd[0] + kRowPanels - 1) / kRowPanels;
+    ForEachPanel(pool, groups, [=](int64_t g) {
+      const int64_t p0 = g * kRowPanels;
+      if (p0 + kRowPanels <= wd[0]) {
+        RowTile<kRowPanels>(xp, wp + p0 * k_size * kPanel, k_size * kPanel, k_size,
+                            yp + p0 * kPanel);
+        return;
+      }
+      for (int64_t p = p0; p < wd[0]; ++p) {  // the last panels of an odd count
+        Tile<1>(xp, k_size, wp + p * k_size * kPanel, k_size, yp + p * kPanel, n_size, false);
+      }
+    });
+    return ffi::Error::Success();
+  }
   // One row tile passes over all of K at once; more go block by block.
   const int64_t block = m_size <= kRows ? k_size : kBlockK;
   ForEachPanel(pool, wd[0], [=](int64_t p) {
@@ -305,63 +360,53 @@ ffi::Error GemmF32(ffi::ThreadPool pool, Matrix x, Panels w, ffi::Result<Matrix>
 }
 
 using Bytes = ffi::Buffer<ffi::U8, 2>;
+using SignedBytes = ffi::Buffer<ffi::S8, 2>;
 using Int8Panels = ffi::Buffer<ffi::S8, 4>;
 using Int32Matrix = ffi::Buffer<ffi::S32, 2>;
 
-ffi::Error GemmI8(ffi::ThreadPool pool, Bytes x, Int8Panels w, ffi::Result<Int32Matrix> y) {
+// The int8 kernels' shared body: checks the shapes, then runs tiles[rows]
+// (a kernel's tiles by row count, up to kRowsT) over every row tile of every
+// panel. Each int8 panel is read whole per row tile: the draft's matrices
+// are a quarter of the f32 size and its steps have few rows.
+template <typename XBuffer, typename TileFnT, size_t kTableSize>
+ffi::Error RunInt8(const char* name, ffi::ThreadPool& pool, XBuffer& x, Int8Panels& w,
+                   ffi::Result<Int32Matrix>& y,
+                   const std::array<TileFnT, kTableSize>& tiles) {
+  constexpr int64_t kRowsT = kTableSize - 1;
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto yd = y->dimensions();
   if (wd[2] != kPanel || wd[3] != 4 || 4 * wd[1] != xd[1] || yd[0] != xd[0] ||
       yd[1] != wd[0] * kPanel) {
-    return ffi::Error::InvalidArgument(
-        "jspec_gemm_i8: expected x [M, K], w [N/32, K/4, 32, 4] and y [M, N]");
+    return ffi::Error::InvalidArgument(std::string(name) +
+        ": expected x [M, K], w [N/32, K/4, 32, 4] and y [M, N]");
   }
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
-  const uint8_t* xp = x.typed_data();
+  const auto* xp = x.typed_data();
   const int8_t* wp = w.typed_data();
   int32_t* yp = y->typed_data();
   const int64_t m_size = xd[0], k_size = xd[1], groups = wd[1], n_size = yd[1];
   ForEachPanel(pool, wd[0], [=](int64_t p) {
     const int8_t* panel = wp + p * groups * 4 * kPanel;
-    for (int64_t m0 = 0; m0 < m_size; m0 += kRows) {
-      const int64_t rows = std::min(kRows, m_size - m0);
-      kTilesI8[rows](xp + m0 * k_size, k_size, panel, groups, yp + m0 * n_size + p * kPanel,
-                     n_size);
+    for (int64_t m0 = 0; m0 < m_size; m0 += kRowsT) {
+      const int64_t rows = std::min(kRowsT, m_size - m0);
+      tiles[rows](xp + m0 * k_size, k_size, panel, groups, yp + m0 * n_size + p * kPanel, n_size);
     }
   });
   return ffi::Error::Success();
+}
+
+ffi::Error GemmI8(ffi::ThreadPool pool, Bytes x, Int8Panels w, ffi::Result<Int32Matrix> y) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  return RunInt8("jspec_gemm_i8", pool, x, w, y, kTilesI8);
 #else
   return ffi::Error(ffi::ErrorCode::kUnimplemented, "jspec_gemm_i8: built without AVX-512 VNNI");
 #endif
 }
 
-using SignedBytes = ffi::Buffer<ffi::S8, 2>;
-
 ffi::Error GemmS8(ffi::ThreadPool pool, SignedBytes x, Int8Panels w,
                   ffi::Result<Int32Matrix> y) {
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  const auto yd = y->dimensions();
-  if (wd[2] != kPanel || wd[3] != 4 || 4 * wd[1] != xd[1] || yd[0] != xd[0] ||
-      yd[1] != wd[0] * kPanel) {
-    return ffi::Error::InvalidArgument(
-        "jspec_gemm_s8: expected x [M, K], w [N/32, K/4, 32, 4] and y [M, N]");
-  }
 #if defined(__AVX2__)
-  const int8_t* xp = x.typed_data();
-  const int8_t* wp = w.typed_data();
-  int32_t* yp = y->typed_data();
-  const int64_t m_size = xd[0], k_size = xd[1], groups = wd[1], n_size = yd[1];
-  ForEachPanel(pool, wd[0], [=](int64_t p) {
-    const int8_t* panel = wp + p * groups * 4 * kPanel;
-    for (int64_t m0 = 0; m0 < m_size; m0 += kRowsS8) {
-      const int64_t rows = std::min(kRowsS8, m_size - m0);
-      kTilesS8[rows](xp + m0 * k_size, k_size, panel, groups, yp + m0 * n_size + p * kPanel,
-                     n_size);
-    }
-  });
-  return ffi::Error::Success();
+  return RunInt8("jspec_gemm_s8", pool, x, w, y, kTilesS8);
 #else
   return ffi::Error(ffi::ErrorCode::kUnimplemented, "jspec_gemm_s8: built without AVX2");
 #endif
