@@ -217,8 +217,11 @@ def target_layout(method: str, batch: int, platform: str = "cpu") -> str:
   """The target layout that decodes fastest for a method, batch size and device.
 
   On CPU with jspec's kernel available (`jspec.cpu_kernels`), "packed"
-  for everything: at every row count a decode step or verify uses it runs
-  faster than XLA's dot in either layout (README "Design measurements").
+  for everything: on the AVX-512 host every row count a decode step or
+  verify uses ran faster than XLA's dot in either layout, and on the AVX2
+  host one row runs level with XLA over [out, in] rows (327 against 329
+  ms a target step, timed call by call) and 3 or 9 rows faster (README
+  "Design measurements"; `python -m bench.forward_cost --paired`).
   Without it, target-only decoding of one prompt multiplies one row per
   step, where [out, in] ("rows") matrices read fastest (about 12% per
   step); every other method verifies several positions per step, and a
