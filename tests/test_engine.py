@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import hypothesis
 import hypothesis.strategies as st
@@ -44,23 +45,31 @@ def with_eos(bundle: jspec.Bundle, eos: tuple[int, ...]) -> jspec.Bundle:
   return jspec.Bundle(jspec.Model(t_cfg, bundle.target.params), bundle.draft)
 
 
-@hypothesis.settings(max_examples=30, deadline=None, derandomize=True,
-                     suppress_health_check=[hypothesis.HealthCheck.too_slow])
-@hypothesis.given(seed=st.integers(0, 2**16), length=st.integers(1, 14),
-                  setting=st.sampled_from(range(len(SETTINGS))), eos_at=st.integers(-1, MAX_NEW - 1),
-                  scale=st.sampled_from([0.3, 1.0]))
-def test_greedy_speculative_equals_target(seed, length, setting, eos_at, scale):
-  bundle = tiny.pair(seed, scale=scale)
-  prompt = tiny.prompt(seed, length)
-  base = jspec.generate(bundle, prompt, max_new_tokens=MAX_NEW, method="target")
-  if eos_at >= 0:  # make a token the target really emits the EOS, so rows stop midway
-    eos = base.token_ids[eos_at]
-    bundle = with_eos(bundle, (eos,))
+# One case per setting, so that each is covered and pytest-xdist can spread
+# them over workers; hypothesis draws the data for each, seeded by the
+# setting, so every setting sees different weights, prompts and EOS.
+@pytest.mark.parametrize("setting", range(len(SETTINGS)))
+def test_greedy_speculative_equals_target(setting):
+
+  @hypothesis.seed(setting)
+  @hypothesis.settings(max_examples=3, deadline=None, database=None,
+                       suppress_health_check=[hypothesis.HealthCheck.too_slow])
+  @hypothesis.given(seed=st.integers(0, 2**16), length=st.integers(1, 14),
+                    eos_at=st.integers(-1, MAX_NEW - 1), scale=st.sampled_from([0.3, 1.0]))
+  def check(seed, length, eos_at, scale):
+    bundle = tiny.pair(seed, scale=scale)
+    prompt = tiny.prompt(seed, length)
     base = jspec.generate(bundle, prompt, max_new_tokens=MAX_NEW, method="target")
-    assert base.token_ids[-1] == eos and eos not in base.token_ids[:-1]
-  got = jspec.generate(bundle, prompt, max_new_tokens=MAX_NEW, **SETTINGS[setting])
-  assert got.token_ids == base.token_ids
-  assert got.stats["accepted"] <= got.stats["drafted"]
+    if eos_at >= 0:  # make a token the target really emits the EOS, so rows stop midway
+      eos = base.token_ids[eos_at]
+      bundle = with_eos(bundle, (eos,))
+      base = jspec.generate(bundle, prompt, max_new_tokens=MAX_NEW, method="target")
+      assert base.token_ids[-1] == eos and eos not in base.token_ids[:-1]
+    got = jspec.generate(bundle, prompt, max_new_tokens=MAX_NEW, **SETTINGS[setting])
+    assert got.token_ids == base.token_ids
+    assert got.stats["accepted"] <= got.stats["drafted"]
+
+  check()
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 4])
@@ -213,7 +222,9 @@ def test_cumulative_policy_stops_once_the_product_of_top_probabilities_is_low():
   assert max(drafted["confidence"]) == 6  # so the cap is not what stops the cumulative policy
 
 
-def test_batch_rows_equal_their_single_runs():
+@functools.lru_cache(maxsize=None)
+def _batch_case():
+  """Four prompts of different lengths, a bundle, and each prompt's target-only run alone."""
   bundle = tiny.pair(6)
   prompts = [tiny.prompt(i, n) for i, n in enumerate([3, 9, 1, 14])]
   base = [jspec.generate(bundle, p, max_new_tokens=MAX_NEW, method="target").token_ids
@@ -223,10 +234,15 @@ def test_batch_rows_equal_their_single_runs():
   bundle = with_eos(bundle, (eos,))
   singles = [jspec.generate(bundle, p, max_new_tokens=MAX_NEW, method="target").token_ids
              for p in prompts]
+  return bundle, prompts, singles
+
+
+@pytest.mark.parametrize("setting", range(len(SETTINGS)))
+def test_batch_rows_equal_their_single_runs(setting):
+  bundle, prompts, singles = _batch_case()
   assert len({len(s) for s in singles}) > 1
-  for kwargs in SETTINGS:
-    batch = jspec.generate(bundle, prompts, max_new_tokens=MAX_NEW, **kwargs)
-    assert [r.token_ids for r in batch] == singles, kwargs
+  batch = jspec.generate(bundle, prompts, max_new_tokens=MAX_NEW, **SETTINGS[setting])
+  assert [r.token_ids for r in batch] == singles, SETTINGS[setting]
 
 
 def test_seed_reproduces_a_sampled_generation():
