@@ -16,8 +16,9 @@
 //
 // The tile: up to 12 rows x 32 columns of accumulators (24 of the 32 AVX-512
 // registers; 3 rows, 12 of 16 registers, with AVX2), one pass over K per
-// panel; more rows reuse the panel from L2. Written with GCC vector
-// extensions of the host's register width, so it builds wherever GCC does.
+// panel; more rows reuse the panel from L2 (one row on AVX2: two panels in
+// step, `RowTile`). Written with GCC vector extensions of the host's
+// register width, so it builds wherever GCC does.
 // Panels are shared between XLA's intra-op threads.
 //
 // The int8 ones are the draft's (`jspec.quant`): XLA's int8 x int8 dot runs
