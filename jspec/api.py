@@ -219,9 +219,10 @@ def target_layout(method: str, batch: int, platform: str = "cpu") -> str:
   On CPU with jspec's kernel available (`jspec.cpu_kernels`), "packed"
   for everything: on the AVX-512 host every row count a decode step or
   verify uses ran faster than XLA's dot in either layout, and on the AVX2
-  host one row runs level with XLA over [out, in] rows (327 against 329
-  ms a target step, timed call by call) and 3 or 9 rows faster (README
-  "Design measurements"; `python -m bench.forward_cost --paired`).
+  host a target step by [out, in] rows took 1.03x / 1.48x / 1.27x / 1.07x
+  as long as packed at 1 / 3 / 9 / 17 rows, timed call by call (README
+  "Design measurements"; `python -m bench.forward_cost --paired
+  packed,rows --target-t 1,3,9,17 --reps 20`).
   Without it, target-only decoding of one prompt multiplies one row per
   step, where [out, in] ("rows") matrices read fastest (about 12% per
   step); every other method verifies several positions per step, and a
