@@ -16,8 +16,8 @@
 //
 // The tile: up to 12 rows x 32 columns of accumulators (24 of the 32 AVX-512
 // registers; 3 rows, 12 of 16 registers, with AVX2), one pass over K per
-// panel; more rows reuse the panel from L2 (one row on AVX2: two panels in
-// step, `RowTile`). Written with GCC vector extensions of the host's
+// panel; more rows reuse the panel from L2 block by block (one row on AVX2:
+// two panels in step, `RowTile`; 24 rows or more on AVX2: 6 x 16 tiles). Written with GCC vector extensions of the host's
 // register width, so it builds wherever GCC does.
 // Panels are shared between XLA's intra-op threads.
 //
@@ -76,15 +76,18 @@ constexpr int64_t kVecs = kPanel / kLanes;
 typedef float Vec __attribute__((vector_size(4 * kLanes)));
 typedef float VecU __attribute__((vector_size(4 * kLanes), aligned(4)));  // unaligned load
 
-// y[m, 0:32] = sum_k x[m, k] * panel[k, 0:32] for m in [0, MR), or with
-// `accumulate` y[m, 0:32] + that sum (the same FMAs in the same order as one
+// y[m, 0:W] = sum_k x[m, k] * panel[k, 0:W] for m in [0, MR) and W = NV
+// vectors (a whole panel, or with NV < kVecs the first W columns of one:
+// `panel` and `y` may point into the middle of a panel row), or with
+// `accumulate` y[m, 0:W] + that sum (the same FMAs in the same order as one
 // pass over the whole of K: a stored float32 accumulator reloads exactly).
-template <int MR>
+// With `next`, its first k_size cache lines are prefetched into L2, one per k.
+template <int MR, int NV = kVecs>
 void Tile(const float* x, int64_t ldx, const float* panel, int64_t k_size, float* y,
-          int64_t ldy, bool accumulate) {
-  Vec acc[MR][kVecs];
+          int64_t ldy, bool accumulate, const float* next = nullptr) {
+  Vec acc[MR][NV];
   for (int m = 0; m < MR; ++m) {
-    for (int v = 0; v < kVecs; ++v) {
+    for (int v = 0; v < NV; ++v) {
       if (accumulate) {
         std::memcpy(&acc[m][v], y + m * ldy + v * kLanes, sizeof(Vec));
       } else {
@@ -94,22 +97,52 @@ void Tile(const float* x, int64_t ldx, const float* panel, int64_t k_size, float
   }
   for (int64_t k = 0; k < k_size; ++k) {
     const float* row = panel + k * kPanel;
-    Vec w[kVecs];
-    for (int v = 0; v < kVecs; ++v) w[v] = *reinterpret_cast<const VecU*>(row + v * kLanes);
+    Vec w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = *reinterpret_cast<const VecU*>(row + v * kLanes);
     // 16 rows (2 KiB) ahead: the hardware prefetcher alone leaves the FMAs
-    // waiting at the start of every panel.
-    __builtin_prefetch(row + 16 * kPanel, 0, 3);
-    __builtin_prefetch(row + 16 * kPanel + 16, 0, 3);
+    // waiting at the start of every panel. One line per 16 floats read.
+    for (int v = 0; v < NV * kLanes; v += 16) __builtin_prefetch(row + 16 * kPanel + v, 0, 3);
+    if (next != nullptr) __builtin_prefetch(next + 16 * k, 0, 2);  // a line a k, into L2
 #pragma GCC unroll 12
     for (int m = 0; m < MR; ++m) {
       const float b = x[m * ldx + k];
-      for (int v = 0; v < kVecs; ++v) acc[m][v] += b * w[v];
+      for (int v = 0; v < NV; ++v) acc[m][v] += b * w[v];
     }
   }
   for (int m = 0; m < MR; ++m) {
-    for (int v = 0; v < kVecs; ++v) std::memcpy(y + m * ldy + v * kLanes, &acc[m][v], sizeof(Vec));
+    for (int v = 0; v < NV; ++v) std::memcpy(y + m * ldy + v * kLanes, &acc[m][v], sizeof(Vec));
   }
 }
+
+// Two AVX2-only changes for more rows than one tile, which go over K block
+// by block (README "Design measurements", AVX2 rows):
+//
+// - From kWideMinRows rows (a prefill, a long verify), which are bound by
+//   the FMAs, a wide tile: kWideRows rows x kWideVecs vectors of columns.
+//   AVX2 has 16 registers: a whole 32-column panel fits only 3 rows (12
+//   accumulators), and GCC then takes every weight operand from memory: 15
+//   loads per 12 FMAs, more than Zen 3's two 256-bit loads a cycle. Half a
+//   panel x 6 rows is 12 accumulators, 2 weight registers and a broadcast:
+//   8 loads per 12 FMAs. Under 24 rows the whole-panel tile is as fast.
+// - The block after the current one is prefetched into L2 while the passes
+//   over the current one run (kPrefetchNext): otherwise only the first
+//   pass reads memory, one stream per core, and the FMAs of the later
+//   passes do not overlap with it.
+//
+// AVX-512 has room for its whole panel at 12 rows, and neither was
+// measured there: it keeps its tile, without the prefetch.
+#if defined(__AVX512F__)
+constexpr int64_t kWideMinRows = kRows + 1;
+constexpr int64_t kWideRows = kRows;
+constexpr int kWideVecs = kVecs;
+constexpr bool kPrefetchNext = false;
+#else
+constexpr int64_t kWideMinRows = 24;
+constexpr int64_t kWideRows = 6;
+constexpr int kWideVecs = 2;
+constexpr bool kPrefetchNext = true;
+#endif
+constexpr int64_t kWideCols = kWideVecs * kLanes;
 
 // Panels that one row (M = 1, a decode step) streams through at once. That
 // product is bound by memory alone, and on a Zen 3 (AVX2) host one core
@@ -148,13 +181,16 @@ void RowTile(const float* x, const float* panel, int64_t panel_stride, int64_t k
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool);
-// kTiles[r] is Tile<r> for r in [1, kRows].
-template <int... R>
-constexpr std::array<TileFn, kRows + 1> MakeTiles(std::integer_sequence<int, R...>) {
-  return {nullptr, Tile<R + 1>...};
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool,
+                       const float*);
+// kTiles[r] is Tile<r> for r in [1, kRows]; kWideTiles[r] is
+// Tile<r, kWideVecs> for r in [1, kWideRows].
+template <int NV, int... R>
+constexpr std::array<TileFn, sizeof...(R) + 1> MakeTiles(std::integer_sequence<int, R...>) {
+  return {nullptr, Tile<R + 1, NV>...};
 }
-constexpr auto kTiles = MakeTiles(std::make_integer_sequence<int, kRows>{});
+constexpr auto kTiles = MakeTiles<kVecs>(std::make_integer_sequence<int, kRows>{});
+constexpr auto kWideTiles = MakeTiles<kWideVecs>(std::make_integer_sequence<int, kWideRows>{});
 
 // y[m, 0:32] (int32) = sum_k xu[m, k] * panel[k / 4, 0:32, k % 4] for m in [0, MR):
 // unsigned 8-bit activations times signed 8-bit weights, four k at a time
@@ -344,16 +380,36 @@ ffi::Error GemmF32(ffi::ThreadPool pool, Matrix x, Panels w, ffi::Result<Matrix>
     });
     return ffi::Error::Success();
   }
-  // One row tile passes over all of K at once; more go block by block.
-  const int64_t block = m_size <= kRows ? k_size : kBlockK;
+  // One row tile passes over all of K at once.
+  if (m_size <= kRows) {
+    ForEachPanel(pool, wd[0], [=](int64_t p) {
+      kTiles[m_size](xp, k_size, wp + p * k_size * kPanel, k_size, yp + p * kPanel, n_size,
+                     false, nullptr);
+    });
+    return ffi::Error::Success();
+  }
+  // More rows go block by block, each row tile over every column slice of
+  // the block while its rows of x are in L1.
+  const bool wide = m_size >= kWideMinRows;
+  const TileFn* tiles = wide ? kWideTiles.data() : kTiles.data();
+  const int64_t tile_rows = wide ? kWideRows : kRows;
+  const int64_t tile_cols = wide ? kWideCols : kPanel;
   ForEachPanel(pool, wd[0], [=](int64_t p) {
     const float* panel = wp + p * k_size * kPanel;
-    for (int64_t k0 = 0; k0 < k_size; k0 += block) {
-      const int64_t kc = std::min(block, k_size - k0);
-      for (int64_t m0 = 0; m0 < m_size; m0 += kRows) {
-        const int64_t rows = std::min(kRows, m_size - m0);
-        kTiles[rows](xp + m0 * k_size + k0, k_size, panel + k0 * kPanel, kc,
-                     yp + m0 * n_size + p * kPanel, n_size, k0 > 0);
+    for (int64_t k0 = 0; k0 < k_size; k0 += kBlockK) {
+      const int64_t kc = std::min(kBlockK, k_size - k0);
+      // The block after this one (after the last, the next panel's first):
+      // its 2 * kc lines at most, a line per k of the first two passes (a
+      // prefetch past the end of w is a no-op).
+      const float* next = panel + std::min(k0 + kBlockK, k_size) * kPanel;
+      int64_t pass = 0;
+      for (int64_t m0 = 0; m0 < m_size; m0 += tile_rows) {
+        const int64_t rows = std::min(tile_rows, m_size - m0);
+        for (int64_t c = 0; c < kPanel; c += tile_cols, ++pass) {
+          tiles[rows](xp + m0 * k_size + k0, k_size, panel + k0 * kPanel + c, kc,
+                      yp + m0 * n_size + p * kPanel + c, n_size, k0 > 0,
+                      kPrefetchNext && pass < 2 ? next + pass * kc * 16 : nullptr);
+        }
       }
     }
   });
