@@ -17,8 +17,9 @@
 // The tile: up to 12 rows x 32 columns of accumulators (24 of the 32 AVX-512
 // registers; 3 rows, 12 of 16 registers, with AVX2), one pass over K per
 // panel; more rows reuse the panel from L2 block by block (one row on AVX2:
-// two panels in step, `RowTile`; 24 rows or more on AVX2: 6 x 16 tiles). Written with GCC vector extensions of the host's
-// register width, so it builds wherever GCC does.
+// two panels in step, `RowTile`; 48 rows or more on AVX2: 6 x 16 tiles).
+// Written with GCC vector extensions of the host's register width, so it
+// builds wherever GCC does.
 // Panels are shared between XLA's intra-op threads.
 //
 // The int8 ones are the draft's (`jspec.quant`): XLA's int8 x int8 dot runs
@@ -123,7 +124,8 @@ void Tile(const float* x, int64_t ldx, const float* panel, int64_t k_size, float
 //   accumulators), and GCC then takes every weight operand from memory: 15
 //   loads per 12 FMAs, more than Zen 3's two 256-bit loads a cycle. Half a
 //   panel x 6 rows is 12 accumulators, 2 weight registers and a broadcast:
-//   8 loads per 12 FMAs. Under 24 rows the whole-panel tile is as fast.
+//   8 loads per 12 FMAs. Under 48 rows the whole-panel tile was as fast
+//   or faster on the 1.5B's matrices (`python -m bench.kernel_ab`).
 // - The block after the current one is prefetched into L2 while the passes
 //   over the current one run (kPrefetchNext): otherwise only the first
 //   pass reads memory, one stream per core, and the FMAs of the later
@@ -137,7 +139,7 @@ constexpr int64_t kWideRows = kRows;
 constexpr int kWideVecs = kVecs;
 constexpr bool kPrefetchNext = false;
 #else
-constexpr int64_t kWideMinRows = 24;
+constexpr int64_t kWideMinRows = 48;
 constexpr int64_t kWideRows = 6;
 constexpr int kWideVecs = 2;
 constexpr bool kPrefetchNext = true;

@@ -280,7 +280,7 @@ def _load() -> Optional[str]:
   if os.environ.get("JSPEC_CPU_KERNELS", "1") == "0":
     return "turned off by JSPEC_CPU_KERNELS=0"
   try:
-    path = _build()
+    path = build()
     library = ctypes.cdll.LoadLibrary(str(path))
     for target, symbol in _SYMBOLS.items():
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
@@ -305,8 +305,11 @@ def _host_cpu() -> str:
   return "\n".join(wanted[:2])
 
 
-def _build() -> pathlib.Path:
+def build(source: pathlib.Path = SOURCE) -> pathlib.Path:
   """The compiled library for this source, compiler, jaxlib and CPU, compiling it if missing.
+
+  Args:
+    source: the C++ file (another revision of it: `bench.kernel_ab`).
 
   Returns:
     Path of the shared library.
@@ -317,7 +320,7 @@ def _build() -> pathlib.Path:
   """
   include = jax.ffi.include_dir()
   digest = hashlib.sha256()
-  for part in (SOURCE.read_bytes(), " ".join(_compiler() + list(_FLAGS)).encode(),
+  for part in (source.read_bytes(), " ".join(_compiler() + list(_FLAGS)).encode(),
                importlib.metadata.version("jaxlib").encode(), _host_cpu().encode()):
     digest.update(part + b"\0")
   directory = fetch.cache_dir() / "kernels" / digest.hexdigest()[:24]
@@ -328,10 +331,10 @@ def _build() -> pathlib.Path:
   fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
   os.close(fd)
   try:
-    command = _compiler() + list(_FLAGS) + ["-I", include, str(SOURCE), "-o", tmp]
+    command = _compiler() + list(_FLAGS) + ["-I", include, str(source), "-o", tmp]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
-      raise RuntimeError(f"compiling {SOURCE.name} failed ({shlex.join(command)}): "
+      raise RuntimeError(f"compiling {source.name} failed ({shlex.join(command)}): "
                          f"{(done.stderr or done.stdout)[-2000:]}")
     os.replace(tmp, path)  # atomic: another process sees all of it or none
   finally:

@@ -13,12 +13,16 @@ import json
 import pytest
 
 import jspec
+import tiny
 from bench import __main__ as bench_main
 from bench import derive
+from bench import kernel_ab
 from bench import modes as modes_lib
 from bench import prompts as prompts_lib
 from bench import results
+from bench import shapes
 from jspec import api
+from jspec import cpu_kernels
 
 # Few settings, so the programs compile once and the whole file stays short.
 SMOKE = ["--smoke", "--gammas", "2", "--bandwidth-bytes", str(16 << 20)]
@@ -216,3 +220,25 @@ def test_the_compile_target_counts_every_speculative_program_lookup_included():
   results.finalize(doc, ["target", "confidence", "lookup_model"])
   compile_target = doc["targets"]["max_first_call_compile_s_speculative"]
   assert compile_target["value"] == 70.0 and compile_target["met"] is False
+
+
+def test_kernel_ab_times_two_builds_on_every_matrix_of_a_forward(monkeypatch, capsys):
+  # The 1.5B's shapes swapped for a tiny packable target: HEAD's build against
+  # the working tree's, a decode row and a prefill-like 50 (the 6 x 16 tiles).
+  if not cpu_kernels.available():
+    pytest.skip(f"kernel unavailable: {cpu_kernels.unavailable_reason()}")
+  monkeypatch.setattr(shapes, "QWEN25_CODER_1_5B", tiny.PACKABLE_TARGET)
+  kernel_ab.main(["--base", "HEAD", "--m", "1,50", "--reps", "2"])
+  rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("M=")]
+  assert [row.split()[0] for row in rows] == ["M=1", "M=50"]
+  assert all("tree/base" in row and row.endswith("bit-identical True") for row in rows)
+  # q, k, v, o, gate, up and down once per layer, then the head.
+  c = tiny.PACKABLE_TARGET
+  assert kernel_ab._matrices(c) == [(64, 64, 2), (64, 32, 2), (64, 32, 2), (64, 64, 2),
+                                    (64, 96, 2), (64, 96, 2), (96, 64, 2), (64, 64, 1)]
+  assert c.hidden_size == 64 and c.intermediate_size == 96 and c.num_layers == 2
+
+
+def test_kernel_ab_names_a_revision_git_cannot_show():
+  with pytest.raises(SystemExit, match="--base no-such-rev: git could not show jspec/cpu_kernels.cc"):
+    kernel_ab.main(["--base", "no-such-rev", "--m", "1", "--reps", "1"])
