@@ -82,8 +82,10 @@ typedef float VecU __attribute__((vector_size(4 * kLanes), aligned(4)));  // una
 // `panel` and `y` may point into the middle of a panel row), or with
 // `accumulate` y[m, 0:W] + that sum (the same FMAs in the same order as one
 // pass over the whole of K: a stored float32 accumulator reloads exactly).
-// With `next`, its first k_size cache lines are prefetched into L2, one per k.
-template <int MR, int NV = kVecs>
+// With PF, next's first k_size cache lines are prefetched into L2, one per k
+// (a template argument: a run-time test in the loop made GCC hold the
+// weights in registers and spill an accumulator, 1.2x slower at 33 rows).
+template <int MR, int NV = kVecs, bool PF = false>
 void Tile(const float* x, int64_t ldx, const float* panel, int64_t k_size, float* y,
           int64_t ldy, bool accumulate, const float* next = nullptr) {
   Vec acc[MR][NV];
@@ -103,7 +105,7 @@ void Tile(const float* x, int64_t ldx, const float* panel, int64_t k_size, float
     // 16 rows (2 KiB) ahead: the hardware prefetcher alone leaves the FMAs
     // waiting at the start of every panel. One line per 16 floats read.
     for (int v = 0; v < NV * kLanes; v += 16) __builtin_prefetch(row + 16 * kPanel + v, 0, 3);
-    if (next != nullptr) __builtin_prefetch(next + 16 * k, 0, 2);  // a line a k, into L2
+    if (PF) __builtin_prefetch(next + 16 * k, 0, 2);  // a line a k, into L2
 #pragma GCC unroll 12
     for (int m = 0; m < MR; ++m) {
       const float b = x[m * ldx + k];
@@ -126,10 +128,11 @@ void Tile(const float* x, int64_t ldx, const float* panel, int64_t k_size, float
 //   panel x 6 rows is 12 accumulators, 2 weight registers and a broadcast:
 //   8 loads per 12 FMAs. Under 48 rows the whole-panel tile was as fast
 //   or faster on the 1.5B's matrices (`python -m bench.kernel_ab`).
-// - The block after the current one is prefetched into L2 while the passes
-//   over the current one run (kPrefetchNext): otherwise only the first
-//   pass reads memory, one stream per core, and the FMAs of the later
-//   passes do not overlap with it.
+// - Under kPrefetchRows rows (a verify) the block after the current one is
+//   prefetched into L2 while the passes over the current one run:
+//   otherwise only the first pass reads memory, one stream per core, and
+//   the FMAs of the later passes do not overlap with it. With more rows
+//   (more passes, each longer) the prefetch made them slower.
 //
 // AVX-512 has room for its whole panel at 12 rows, and neither was
 // measured there: it keeps its tile, without the prefetch.
@@ -137,12 +140,12 @@ void Tile(const float* x, int64_t ldx, const float* panel, int64_t k_size, float
 constexpr int64_t kWideMinRows = kRows + 1;
 constexpr int64_t kWideRows = kRows;
 constexpr int kWideVecs = kVecs;
-constexpr bool kPrefetchNext = false;
+constexpr int64_t kPrefetchRows = 0;
 #else
 constexpr int64_t kWideMinRows = 48;
 constexpr int64_t kWideRows = 6;
 constexpr int kWideVecs = 2;
-constexpr bool kPrefetchNext = true;
+constexpr int64_t kPrefetchRows = 24;
 #endif
 constexpr int64_t kWideCols = kWideVecs * kLanes;
 
@@ -185,14 +188,16 @@ void RowTile(const float* x, const float* panel, int64_t panel_stride, int64_t k
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool,
                        const float*);
-// kTiles[r] is Tile<r> for r in [1, kRows]; kWideTiles[r] is
-// Tile<r, kWideVecs> for r in [1, kWideRows].
-template <int NV, int... R>
+// kTiles[r] is Tile<r> for r in [1, kRows], kTilesPF[r] the same with the
+// prefetch; kWideTiles[r] is Tile<r, kWideVecs> for r in [1, kWideRows].
+template <int NV, bool PF, int... R>
 constexpr std::array<TileFn, sizeof...(R) + 1> MakeTiles(std::integer_sequence<int, R...>) {
-  return {nullptr, Tile<R + 1, NV>...};
+  return {nullptr, Tile<R + 1, NV, PF>...};
 }
-constexpr auto kTiles = MakeTiles<kVecs>(std::make_integer_sequence<int, kRows>{});
-constexpr auto kWideTiles = MakeTiles<kWideVecs>(std::make_integer_sequence<int, kWideRows>{});
+constexpr auto kTiles = MakeTiles<kVecs, false>(std::make_integer_sequence<int, kRows>{});
+constexpr auto kTilesPF = MakeTiles<kVecs, true>(std::make_integer_sequence<int, kRows>{});
+constexpr auto kWideTiles =
+    MakeTiles<kWideVecs, false>(std::make_integer_sequence<int, kWideRows>{});
 
 // y[m, 0:32] (int32) = sum_k xu[m, k] * panel[k / 4, 0:32, k % 4] for m in [0, MR):
 // unsigned 8-bit activations times signed 8-bit weights, four k at a time
@@ -393,6 +398,7 @@ ffi::Error GemmF32(ffi::ThreadPool pool, Matrix x, Panels w, ffi::Result<Matrix>
   // More rows go block by block, each row tile over every column slice of
   // the block while its rows of x are in L1.
   const bool wide = m_size >= kWideMinRows;
+  const bool prefetch = !wide && m_size < kPrefetchRows;
   const TileFn* tiles = wide ? kWideTiles.data() : kTiles.data();
   const int64_t tile_rows = wide ? kWideRows : kRows;
   const int64_t tile_cols = wide ? kWideCols : kPanel;
@@ -401,16 +407,16 @@ ffi::Error GemmF32(ffi::ThreadPool pool, Matrix x, Panels w, ffi::Result<Matrix>
     for (int64_t k0 = 0; k0 < k_size; k0 += kBlockK) {
       const int64_t kc = std::min(kBlockK, k_size - k0);
       // The block after this one (after the last, the next panel's first):
-      // its 2 * kc lines at most, a line per k of the first two passes (a
-      // prefetch past the end of w is a no-op).
+      // its 2 * kc lines at most, a line per k of the first two passes
+      // (kTilesPF; a prefetch past the end of w is a no-op).
       const float* next = panel + std::min(k0 + kBlockK, k_size) * kPanel;
       int64_t pass = 0;
       for (int64_t m0 = 0; m0 < m_size; m0 += tile_rows) {
         const int64_t rows = std::min(tile_rows, m_size - m0);
         for (int64_t c = 0; c < kPanel; c += tile_cols, ++pass) {
-          tiles[rows](xp + m0 * k_size + k0, k_size, panel + k0 * kPanel + c, kc,
-                      yp + m0 * n_size + p * kPanel + c, n_size, k0 > 0,
-                      kPrefetchNext && pass < 2 ? next + pass * kc * 16 : nullptr);
+          const TileFn tile = prefetch && pass < 2 ? kTilesPF[rows] : tiles[rows];
+          tile(xp + m0 * k_size + k0, k_size, panel + k0 * kPanel + c, kc,
+               yp + m0 * n_size + p * kPanel + c, n_size, k0 > 0, next + pass * kc * 16);
         }
       }
     }
