@@ -7,8 +7,8 @@ the working tree (the compiler and flags of `jspec.cpu_kernels`), registers
 both, and times `jspec_gemm_f32` at each M (rows: 1 a decode step, gamma + 1
 a verify, a prompt's length a prefill) on each weight matrix of one layer
 of the 1.5B target and on its output head, in panels as `generate` holds
-them. The two builds alternate rep by rep over the same arrays, so a noisy
-shared machine slows both alike.
+them. The two builds alternate rep by rep over the same arrays, in turn
+first, so a noisy shared machine slows both alike.
 
 Per M it prints each build's median ms for the products of one forward (28
 times the layer's matrices, plus the head), their GFLOPS, the median of the
@@ -68,11 +68,10 @@ def _base_source(rev: str, directory: pathlib.Path) -> pathlib.Path:
   return path
 
 
-def _time(fn, xs, ws) -> float:
-  """Seconds for one call of fn on each (x, w) in turn."""
+def _time(fn, x, w) -> float:
+  """Seconds for one call of fn(x, w)."""
   start = time.perf_counter()
-  for x, w in zip(xs, ws):
-    fn(x, w).block_until_ready()
+  fn(x, w).block_until_ready()
   return time.perf_counter() - start
 
 
@@ -82,7 +81,12 @@ def main(argv=None) -> None:
   ap.add_argument("--m", default="1,3,9,17,33,320", help="comma-separated row counts")
   ap.add_argument("--reps", type=int, default=10, help="paired repetitions per M")
   args = ap.parse_args(argv)
-  ms = [int(m) for m in args.m.split(",")]
+  try:
+    ms = [int(m) for m in args.m.split(",")]
+  except ValueError:
+    ap.error(f"--m {args.m!r}: expected comma-separated row counts, e.g. 1,9,320")
+  if min(ms) < 1 or args.reps < 1:
+    ap.error(f"--m {args.m} --reps {args.reps}: expected row counts and reps of at least 1")
   with tempfile.TemporaryDirectory() as tmp:
     base_source = _base_source(args.base, pathlib.Path(tmp))
     if not cpu_kernels.available():
@@ -105,10 +109,10 @@ def main(argv=None) -> None:
     outs = {name: [np.asarray(fn(x, w)) for x, w in zip(xs, ws)] for name, fn in builds.items()}
     same = all(np.array_equal(a, b) for a, b in zip(outs["base"], outs["tree"]))
     per = {name: [] for name in builds}
-    for _ in range(args.reps):
-      for name, fn in builds.items():
+    for rep in range(args.reps):
+      for name in (["base", "tree"] if rep % 2 == 0 else ["tree", "base"]):
         # Per matrix, so each is weighted by how often a forward runs it.
-        per[name].append(sum(t * _time(fn, [x], [w]) for x, w, t in zip(xs, ws, times)))
+        per[name].append(sum(t * _time(builds[name], x, w) for x, w, t in zip(xs, ws, times)))
     med = {name: float(np.median(v)) for name, v in per.items()}
     ratio = float(np.median(np.array(per["tree"]) / np.array(per["base"])))
     print(f"M={m:<5d} base {med['base'] * 1e3:8.1f} ms {m * flops_per_row / med['base'] / 1e9:6.1f} "

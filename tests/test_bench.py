@@ -225,6 +225,8 @@ def test_the_compile_target_counts_every_speculative_program_lookup_included():
 def test_kernel_ab_times_two_builds_on_every_matrix_of_a_forward(monkeypatch, capsys):
   # The 1.5B's shapes swapped for a tiny packable target: HEAD's build against
   # the working tree's, a decode row and a prefill-like 50 (the 6 x 16 tiles).
+  # On a clean checkout both are one library, so this checks the tool, not
+  # the kernel (tests/test_cpu_kernels.py does that).
   if not cpu_kernels.available():
     pytest.skip(f"kernel unavailable: {cpu_kernels.unavailable_reason()}")
   monkeypatch.setattr(shapes, "QWEN25_CODER_1_5B", tiny.PACKABLE_TARGET)
@@ -242,3 +244,9 @@ def test_kernel_ab_times_two_builds_on_every_matrix_of_a_forward(monkeypatch, ca
 def test_kernel_ab_names_a_revision_git_cannot_show():
   with pytest.raises(SystemExit, match="--base no-such-rev: git could not show jspec/cpu_kernels.cc"):
     kernel_ab.main(["--base", "no-such-rev", "--m", "1", "--reps", "1"])
+
+
+def test_kernel_ab_refuses_row_counts_below_one(capsys):
+  with pytest.raises(SystemExit):
+    kernel_ab.main(["--base", "HEAD", "--m", "1,0"])
+  assert "expected row counts and reps of at least 1" in capsys.readouterr().err
