@@ -14,6 +14,19 @@ import pytest
 # params, compiled programs): everything goes to a throwaway directory.
 os.environ.setdefault("JSPEC_CACHE", tempfile.mkdtemp(prefix="jspec-test-cache-"))
 
+# Most of the suite's time is XLA compiling the tiny models' programs, and
+# most of that is LLVM optimising and emitting every fusion. The tests check
+# results, not speed, so they compile without LLVM's optimisations and with
+# XLA CPU's older (faster to compile) fusion emitter: the same optimised HLO,
+# only each fusion's machine code differs, and about half the compile time.
+# JSPEC_TEST_XLA_OPT=1 tests the shipped compiler settings instead. Set
+# before any test imports jax; the pytest-xdist workers and the CLI
+# subprocesses inherit it.
+if os.environ.get("JSPEC_TEST_XLA_OPT") != "1":
+  os.environ["XLA_FLAGS"] = " ".join([
+      os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
+      "--xla_cpu_use_fusion_emitters=false"]).strip()
+
 # 256 single-byte tokens + 3 merges + 3 control + 1 user-defined token = 263
 # ids (a prime). "1 2" is a merge the Qwen2 split regex never lets apply (it
 # isolates digits).
