@@ -502,14 +502,17 @@ def _prepare(bundle: Bundle, prompt, max_new_tokens, temperature, top_k, top_p, 
 def _programs(bundle: Bundle, prep: _Prepared, state_like=None):
   dparams = (bundle.draft_weights(prep.draft_vocab, prep.draft_int8)
              if prep.spec.method in decode.DRAFT_METHODS else None)
+  # Programs are compiled for the spec's program structure; the temperature,
+  # top_p and min_confidence travel as data (`decode.Knobs`), so changing
+  # them compiles nothing.
+  spec = prep.spec.program()
   args = (bundle.target.params, dparams, prep.prompt, prep.prompt_len, prep.max_new, prep.eos,
-          prep.key)
-  pre, t_pre = PROGRAMS.get("prefill", decode.prefill, args,
-                            {"spec": prep.spec, "width": prep.width})
+          prep.key, prep.spec.knobs())
+  pre, t_pre = PROGRAMS.get("prefill", decode.prefill, args, {"spec": spec, "width": prep.width})
   state_shape = pre.out_info  # the loop's input is prefill's output: no second trace
   run, t_run = PROGRAMS.get("run", decode.run,
                             (bundle.target.params, dparams, state_shape, jnp.int32(0)),
-                            {"spec": prep.spec}, donate_argnums=(2,))  # run donates its state
+                            {"spec": spec}, donate_argnums=(2,))  # run donates its state
   return dparams, pre, run, t_pre + t_run
 
 
@@ -609,7 +612,7 @@ def generate(bundle: Bundle, prompt: Union[Prompt, Sequence[Prompt]], *,
   dparams, pre, run, compile_s = _programs(bundle, prep)
   t0 = time.perf_counter()
   state = pre(bundle.target.params, dparams, prep.prompt, prep.prompt_len, prep.max_new, prep.eos,
-              prep.key)
+              prep.key, prep.spec.knobs())
   jax.block_until_ready(state.tokens)
   t1 = time.perf_counter()
   state = run(bundle.target.params, dparams, state, jnp.int32(np.iinfo(np.int32).max))
@@ -663,7 +666,7 @@ def stream(bundle: Bundle, prompt: Prompt, *, rounds_per_dispatch: int = 4,
   dparams, pre, run, compile_s = _programs(bundle, prep)
   t0 = time.perf_counter()
   state = pre(bundle.target.params, dparams, prep.prompt, prep.prompt_len, prep.max_new, prep.eos,
-              prep.key)
+              prep.key, prep.spec.knobs())
   start = len(prep.prompts[0])
   emitted_ids, emitted_text = start, ""
   limit = 0

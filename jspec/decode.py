@@ -71,7 +71,8 @@ class Spec:
       then pays for a narrow verify.
 
   The EOS tokens are data (`State.eos`), not part of the spec, so a new stop
-  token does not mean a new compile.
+  token does not mean a new compile; so are the temperature, the top_p value
+  and min_confidence (`Knobs`), and programs are compiled for `program()`.
   """
 
   target: config_lib.Qwen2Config
@@ -104,6 +105,42 @@ class Spec:
       raise ValueError(f"ngram={self.ngram!r}: expected an integer >= 1")
     if not 0.0 <= self.min_confidence <= 1.0:  # also refuses nan
       raise ValueError(f"min_confidence={self.min_confidence!r}: expected a probability in [0, 1]")
+
+  def program(self) -> "Spec":
+    """This spec with the settings that are data (`knobs`) replaced by placeholders.
+
+    Two specs that differ only in temperature, top_p value or min_confidence
+    have one `program()`, so they share their compiled programs.
+
+    Returns:
+      The spec to compile `prefill` and `run` for.
+    """
+    return dataclasses.replace(self, sampling=self.sampling.program(), min_confidence=0.0)
+
+  def knobs(self) -> "Knobs":
+    """The settings that reach the programs as data (see `program`).
+
+    Returns:
+      Knobs of [] float32 arrays.
+    """
+    return Knobs(temperature=jnp.float32(self.sampling.temperature),
+                 top_p=jnp.float32(self.sampling.top_p),
+                 min_confidence=jnp.float32(self.min_confidence))
+
+
+@flax.struct.dataclass
+class Knobs:
+  """Settings the decode programs take as data, so that changing them compiles nothing.
+
+  Attributes:
+    temperature: [] float32 (ignored when the spec is greedy).
+    top_p: [] float32 (ignored unless the spec's top_p is on).
+    min_confidence: [] float32 (ignored unless the policy stops on confidence).
+  """
+
+  temperature: jax.Array
+  top_p: jax.Array
+  min_confidence: jax.Array
 
 
 @flax.struct.dataclass
@@ -144,6 +181,7 @@ class State:
     draft_len: [B] int32 leading tokens of the row the draft cache holds
       (it lacks x_{n-1}, x_{n-2} after a round that accepted every draft
       it ran, and whatever prompt lookup rounds emitted).
+    knobs: the generation's `Knobs`.
   """
 
   target_cache: cache_lib.KVCache
@@ -163,6 +201,7 @@ class State:
   hist: jax.Array
   gamma_trace: jax.Array
   draft_len: jax.Array
+  knobs: Knobs
 
 
 def buffer_width(prompt_width: int, max_new: int, gamma_max: int) -> int:
@@ -286,8 +325,8 @@ def _write_rows(buf: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("spec", "width"))
 def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Array,
-            max_new: jax.Array, eos: jax.Array, key: jax.Array, *, spec: Spec,
-            width: int) -> State:
+            max_new: jax.Array, eos: jax.Array, key: jax.Array, knobs: Optional[Knobs] = None,
+            *, spec: Spec, width: int) -> State:
   """Encodes the prompts and samples each row's first token from the target.
 
   Args:
@@ -298,6 +337,8 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
     max_new: [B] int32 tokens to generate per row (>= 1).
     eos: [E] int32 tokens that end a row.
     key: PRNG key of the whole generation.
+    knobs: the settings that are data; None takes `spec.knobs()` (compiled
+      in as constants: `jspec.generate` passes them, with `spec.program()`).
     spec: static generation settings.
     width: static W from `buffer_width`.
 
@@ -306,13 +347,16 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
   """
   b, p_width = prompt.shape
   t_cfg = spec.target
+  if knobs is None:
+    knobs = spec.knobs()
+  samp = _sampling(spec, knobs)
   tcache = cache_lib.init(t_cfg, b, width, _dtype(target_params))
   logits, tcache = model.forward(target_params, t_cfg, prompt, tcache,
                                  logits_at=(prompt_len - 1)[:, None])
   # Padding slots past each prompt were written but are now rolled back.
   tcache = cache_lib.with_lengths(tcache, prompt_len)
-  p = sampling.probs(logits[:, 0], spec.sampling)
-  first = sampling.sample(jax.random.fold_in(key, 0), p, spec.sampling)  # [B]
+  p = sampling.probs(logits[:, 0], samp)
+  first = sampling.sample(jax.random.fold_in(key, 0), p, samp)  # [B]
   tokens = jnp.zeros((b, width), jnp.int32).at[:, :p_width].set(prompt)
   tokens = _write_rows(tokens, first[:, None], prompt_len)
 
@@ -332,7 +376,12 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
       rounds=jnp.int32(0), gamma=jnp.full((b,), spec.gamma if g else 0, jnp.int32),
       row_rounds=zeros, drafted=zeros, accepted=zeros,
       hist=jnp.zeros((b, g + 1), jnp.int32), gamma_trace=jnp.zeros((b, width), jnp.int32),
-      draft_len=prompt_len)
+      draft_len=prompt_len, knobs=knobs)
+
+
+def _sampling(spec: Spec, knobs: Knobs) -> sampling.Traced:
+  """The spec's sampling structure with the knobs' temperature and top_p."""
+  return spec.sampling.traced(knobs.temperature, knobs.top_p)
 
 
 def _dtype(params) -> jnp.dtype:
@@ -346,6 +395,7 @@ def _round(target_params, draft_params, state: State, spec: Spec) -> State:
   vocab = spec.target.vocab_size
   key = jax.random.fold_in(state.key, state.rounds + 1)
   draft_key, accept_key = jax.random.split(key)
+  samp = _sampling(spec, state.knobs)
 
   # 1. Draft.
   dcache = state.draft_cache
@@ -366,10 +416,10 @@ def _round(target_params, draft_params, state: State, spec: Spec) -> State:
   last = jnp.take_along_axis(state.tokens, (state.seq_len - 1)[:, None], axis=1)  # [B, 1]
   logits, tcache = _verify(target_params, spec, jnp.concatenate([last, drafts], axis=1),
                            state.target_cache, jnp.where(state.done, 0, gamma_eff))
-  p = sampling.probs(logits, spec.sampling)  # [B, G+1, V]
+  p = sampling.probs(logits, samp)  # [B, G+1, V]
 
   # 3. Accept.
-  n, next_token = speculative.accept(accept_key, drafts, q, p, gamma_eff, spec.sampling)
+  n, next_token = speculative.accept(accept_key, drafts, q, p, gamma_eff, samp)
   pos = jnp.arange(g + 1)[None]  # [1, G+1]
   block = jnp.where(pos < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), next_token[:, None])
 
@@ -423,13 +473,13 @@ def _draft_with_model(draft_params, state: State, spec: Spec, key: jax.Array, vo
     draft model, draft cache).
   """
   g = spec.gamma_max
-  min_confidence = spec.min_confidence if spec.policy in STOPPING_POLICIES else 0.0
+  min_confidence = state.knobs.min_confidence if spec.policy in STOPPING_POLICIES else 0.0
   widths = drafters.catch_up_widths(g, spec.method == "lookup_model")
 
   def run_model(gamma):
     return drafters.draft_model(
         draft_params.params, spec.draft, state.draft_cache, state.tokens, state.seq_len, gamma,
-        key, spec.sampling, g, vocab, min_confidence, draft_params.head, state.draft_len, widths,
+        key, _sampling(spec, state.knobs), g, vocab, min_confidence, draft_params.head, state.draft_len, widths,
         cumulative=spec.policy == "cumulative")
 
   if spec.method == "model":

@@ -37,14 +37,14 @@ def _fit_vocab(q: jax.Array, v: int) -> jax.Array:
   return q
 
 
-def _draft_probs(logits: jax.Array, s: sampling.Sampling, vocab: int) -> jax.Array:
+def _draft_probs(logits: jax.Array, s: sampling.Sampling | sampling.Traced, vocab: int) -> jax.Array:
   """q over the target's vocabulary from draft logits [B, V'] (V' may be a truncated head)."""
   if logits.shape[-1] < vocab:  # tokens past a truncated head get q = 0
     logits = jnp.pad(logits, ((0, 0), (0, vocab - logits.shape[-1])), constant_values=-jnp.inf)
   return _fit_vocab(sampling.probs(logits, s), vocab)
 
 
-def _top_prob(logits: jax.Array, q: jax.Array, s: sampling.Sampling) -> jax.Array:
+def _top_prob(logits: jax.Array, q: jax.Array, s: sampling.Sampling | sampling.Traced) -> jax.Array:
   """The draft's confidence in its proposal: its most likely token's probability.
 
   Sampling, that is q's top probability. Greedy, q is a point mass (always
@@ -155,8 +155,8 @@ def _first_step(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
 
 def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
                 tokens: jax.Array, seq_len: jax.Array, gamma: jax.Array, key: jax.Array,
-                s: sampling.Sampling, gamma_max: int, vocab: int,
-                min_confidence: float = 0.0, head: Optional[jax.Array] = None,
+                s: sampling.Sampling | sampling.Traced, gamma_max: int, vocab: int,
+                min_confidence: float | jax.Array = 0.0, head: Optional[jax.Array] = None,
                 draft_len: Optional[jax.Array] = None, widths: tuple[int, ...] = (1, 2),
                 cumulative: bool = False):
   """Drafts up to gamma tokens per row with the draft model, sampling each from q.
@@ -179,7 +179,7 @@ def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
     gamma_max: G, the static number of draft slots.
     vocab: the target's vocabulary size (q is returned over it).
     min_confidence: stop drafting a row once the draft's most likely token
-      has probability below this (`_top_prob`: q's when sampling, the
+      has probability below this (a number, or [] float32 data) (`_top_prob`: q's when sampling, the
       draft's softmax when greedy; 0 disables; the first draft always counts).
     head: optional [V', D] truncated output table (the first V' token ids):
       the draft's head is over a quarter of its weight reads per step, and

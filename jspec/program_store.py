@@ -44,7 +44,7 @@ _SUBDIR = "jspec-programs"  # inside the XLA cache dir (JAX only reads its *-cac
 
 def _register_pytrees() -> None:
   """Lets `Exported` name jspec's pytree nodes in its calling convention."""
-  for cls in (decode.State, decode.DraftWeights, cache_lib.KVCache):
+  for cls in (decode.State, decode.DraftWeights, decode.Knobs, cache_lib.KVCache):
     # flax struct dataclasses flatten with their static fields as auxdata;
     # these have none, but keep whatever there is, as JSON.
     export.register_pytree_node_serialization(

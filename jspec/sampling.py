@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -50,13 +51,63 @@ class Sampling:
     """True when decoding takes the argmax."""
     return self.temperature == 0
 
+  @property
+  def nucleus(self) -> bool:
+    """True when top_p filtering is on (it sorts the vocabulary: part of the program)."""
+    return self.top_p < 1.0
 
-def probs(logits: jax.Array, s: Sampling) -> jax.Array:
+  def program(self) -> "Sampling":
+    """These settings with the values that are data (`Traced`) replaced by placeholders.
+
+    Whether decoding is greedy, top_k and whether top_p is on shape the
+    compiled program; the temperature and the top_p value are only numbers
+    in it. Programs keyed by `program()` are shared by every temperature
+    and top_p, which then arrive as arrays (`traced`).
+
+    Returns:
+      Sampling with temperature 0 or 1 and top_p 1 or 0.5.
+    """
+    return dataclasses.replace(self, temperature=0.0 if self.greedy else 1.0,
+                               top_p=0.5 if self.nucleus else 1.0)
+
+  def traced(self, temperature: jax.Array, top_p: jax.Array) -> "Traced":
+    """These settings' program structure, with temperature and top_p taken from arrays.
+
+    Args:
+      temperature: [] float32 (unused when greedy).
+      top_p: [] float32 (unused unless `nucleus`).
+
+    Returns:
+      A `Traced` that `probs` and `sample` accept in place of this Sampling.
+    """
+    return Traced(temperature=temperature, top_p=top_p, greedy=self.greedy, top_k=self.top_k,
+                  nucleus=self.nucleus, vocab_limit=self.vocab_limit)
+
+
+@flax.struct.dataclass
+class Traced:
+  """Sampling settings inside a compiled program: the structure static, temperature and top_p data.
+
+  Attributes:
+    temperature: [] float32.
+    top_p: [] float32.
+    greedy, top_k, nucleus, vocab_limit: as `Sampling`'s (static).
+  """
+
+  temperature: jax.Array
+  top_p: jax.Array
+  greedy: bool = flax.struct.field(pytree_node=False, default=False)
+  top_k: int = flax.struct.field(pytree_node=False, default=0)
+  nucleus: bool = flax.struct.field(pytree_node=False, default=False)
+  vocab_limit: int | None = flax.struct.field(pytree_node=False, default=None)
+
+
+def probs(logits: jax.Array, s: Sampling | Traced) -> jax.Array:
   """The distribution tokens are sampled from.
 
   Args:
     logits: [..., V] float32 logits.
-    s: sampling settings.
+    s: sampling settings (a `Traced` inside the decode programs).
 
   Returns:
     [..., V] float32 probabilities summing to 1 (one-hot at the argmax when greedy).
@@ -72,7 +123,7 @@ def probs(logits: jax.Array, s: Sampling) -> jax.Array:
     kth = jax.lax.top_k(logits, s.top_k)[0][..., -1:]
     logits = jnp.where(logits < kth, -jnp.inf, logits)
   p = jax.nn.softmax(logits, axis=-1)
-  if s.top_p < 1.0:
+  if s.nucleus:
     sorted_p = jnp.sort(p, axis=-1)[..., ::-1]  # descending
     mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
     # The smallest threshold whose tokens reach top_p; the most likely token
@@ -84,7 +135,7 @@ def probs(logits: jax.Array, s: Sampling) -> jax.Array:
   return p
 
 
-def sample(key: jax.Array, p: jax.Array, s: Sampling) -> jax.Array:
+def sample(key: jax.Array, p: jax.Array, s: Sampling | Traced) -> jax.Array:
   """Draws one token per distribution.
 
   Args:

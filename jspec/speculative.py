@@ -22,7 +22,7 @@ from jspec import sampling
 
 
 def accept(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array,
-           gamma: jax.Array, s: sampling.Sampling):
+           gamma: jax.Array, s: sampling.Sampling | sampling.Traced):
   """Decides how many drafts each row keeps and the token that follows them.
 
   Args:

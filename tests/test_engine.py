@@ -296,6 +296,53 @@ def test_same_shapes_compile_once_and_run_all_rounds_in_one_dispatch(monkeypatch
   assert calls == ["prefill", "run"]  # many rounds, one dispatch of the loop
 
 
+def _baked(bundle: jspec.Bundle, prompt: list[int], max_new: int, seed: int, **kwargs) -> list[int]:
+  """The tokens of a generation whose settings are all compiled in as constants.
+
+  `decode.prefill` without knobs takes them from the spec it is compiled
+  for, as every setting was before temperature, top_p and min_confidence
+  became data.
+  """
+  spec = api._spec(bundle, kwargs.pop("method", "model"), kwargs.pop("temperature", 0.0), 0,
+                   kwargs.pop("top_p", 1.0), None, None, kwargs.pop("policy", "fixed"),
+                   kwargs.pop("min_confidence", 0.0), 3)
+  assert not kwargs
+  width = decode.buffer_width(16, 16, spec.gamma_max)
+  dparams = decode.DraftWeights(bundle.draft.params)
+  state = decode.prefill(bundle.target.params, dparams,
+                         jnp.asarray([prompt + [0] * (16 - len(prompt))]), jnp.asarray([len(prompt)]),
+                         jnp.asarray([max_new]), jnp.zeros((0,), jnp.int32), jax.random.key(seed),
+                         spec=spec, width=width)
+  state = decode.run(bundle.target.params, dparams, state, jnp.int32(1 << 30), spec=spec)
+  return np.asarray(state.tokens[0, len(prompt):int(state.seq_len[0])]).tolist()
+
+
+@pytest.mark.parametrize("kind, settings", [
+    ("temperature", [dict(temperature=0.7), dict(temperature=1.3)]),
+    ("top_p", [dict(temperature=1.0, top_p=0.6), dict(temperature=0.8, top_p=0.9)]),
+    ("min_confidence", [dict(policy="confidence", min_confidence=0.3),
+                        dict(policy="confidence", min_confidence=0.8)]),
+])
+def test_temperature_top_p_and_min_confidence_are_data_not_new_programs(kind, settings):
+  bundle = tiny.pair(12, scale=1.0)
+  prompt = tiny.prompt(12, 6)
+  got = []
+  for i, kwargs in enumerate(settings):
+    out = jspec.generate(bundle, prompt, max_new_tokens=16, draft_int8=False, seed=5, **kwargs)
+    if i == 0:
+      compiles = api.PROGRAMS.compiles
+    else:  # another value of the setting: the same programs
+      assert api.PROGRAMS.compiles == compiles
+      assert out.stats["compile_s"] == 0.0
+    # ... and the same tokens as a program with the value compiled in.
+    assert out.token_ids == _baked(bundle, prompt, 16, 5, **kwargs)
+    got.append(out)
+  if kind == "min_confidence":  # the threshold reached the program: fewer drafts stop early
+    assert got[0].stats["drafted"] > got[1].stats["drafted"]
+  else:
+    assert got[0].token_ids != got[1].token_ids
+
+
 def test_prefill_pads_to_an_eighth_of_the_bucket_and_shares_the_loop_program():
   assert [api._prefill_bucket(n) for n in (1, 16, 17, 35, 78, 157, 317, 512, 513)] == [
       16, 16, 32, 48, 80, 160, 320, 512, 640]
