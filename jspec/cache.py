@@ -80,6 +80,24 @@ def write_layer(buf: jax.Array, layer: int, new: jax.Array, starts: jax.Array) -
   return jax.vmap(one_row, in_axes=(1, 0, 0), out_axes=1)(buf, new, starts)
 
 
+def write_chunks(buf: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
+  """Writes every layer's new keys (or values) at each row's own offset.
+
+  Args:
+    buf: [L, B, S, K, H] the whole cache buffer.
+    new: [L, B, T, K, H] entries for T consecutive positions per row and layer.
+    starts: [B] int32 first slot to write in each row.
+
+  Returns:
+    [L, B, S, K, H] the buffer with the entries written.
+  """
+  def one_row(row_buf, row_new, start):  # [L, S, K, H], [L, T, K, H], []
+    zero = jnp.zeros((), jnp.int32)
+    return jax.lax.dynamic_update_slice(row_buf, row_new.astype(row_buf.dtype),
+                                        (zero, start, zero, zero))
+  return jax.vmap(one_row, in_axes=(1, 1, 0), out_axes=1)(buf, new, starts)
+
+
 def with_lengths(cache: KVCache, lengths: jax.Array) -> KVCache:
   """Rolls a cache back (or forward) to the given per-row lengths.
 

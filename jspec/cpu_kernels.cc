@@ -477,6 +477,42 @@ ffi::Error GemmS8(ffi::ThreadPool pool, SignedBytes x, Int8Panels w,
 #endif
 }
 
+// The layer variants: the same products, with the weights picked from one
+// buffer per layer by a layer index. A `lax.scan` over layers then calls the
+// kernel on weights stored per layer, each read where it lies: slicing a
+// stacked weight would copy it first (README "Design measurements").
+using LayerIndex = ffi::Buffer<ffi::S32, 0>;
+
+template <typename W, typename Run>
+ffi::Error WithLayer(const char* name, LayerIndex& layer, ffi::RemainingArgs& weights, Run run) {
+  const int64_t i = *layer.typed_data();
+  if (i < 0 || i >= static_cast<int64_t>(weights.size())) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": layer " + std::to_string(i) +
+                                       " outside [0, " + std::to_string(weights.size()) + ")");
+  }
+  auto w = weights.get<W>(i);
+  if (!w.has_value()) return w.error();
+  return run(*w);
+}
+
+ffi::Error GemmF32Layer(ffi::ThreadPool pool, Matrix x, LayerIndex layer,
+                        ffi::RemainingArgs weights, ffi::Result<Matrix> y) {
+  return WithLayer<Panels>("jspec_gemm_f32_layer", layer, weights,
+                           [&](Panels w) { return GemmF32(pool, x, w, y); });
+}
+
+ffi::Error GemmI8Layer(ffi::ThreadPool pool, Bytes x, LayerIndex layer,
+                       ffi::RemainingArgs weights, ffi::Result<Int32Matrix> y) {
+  return WithLayer<Int8Panels>("jspec_gemm_i8_layer", layer, weights,
+                               [&](Int8Panels w) { return GemmI8(pool, x, w, y); });
+}
+
+ffi::Error GemmS8Layer(ffi::ThreadPool pool, SignedBytes x, LayerIndex layer,
+                       ffi::RemainingArgs weights, ffi::Result<Int32Matrix> y) {
+  return WithLayer<Int8Panels>("jspec_gemm_s8_layer", layer, weights,
+                               [&](Int8Panels w) { return GemmS8(pool, x, w, y); });
+}
+
 }  // namespace
 
 // 1 when jspec_gemm_i8 was built (the host has AVX-512 VNNI), else 0.
@@ -504,4 +540,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmS8, GemmS8,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<SignedBytes>()
                                   .Arg<Int8Panels>()
+                                  .Ret<Int32Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmF32Layer, GemmF32Layer,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<LayerIndex>()
+                                  .RemainingArgs()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmI8Layer, GemmI8Layer,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Bytes>()
+                                  .Arg<LayerIndex>()
+                                  .RemainingArgs()
+                                  .Ret<Int32Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmS8Layer, GemmS8Layer,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<SignedBytes>()
+                                  .Arg<LayerIndex>()
+                                  .RemainingArgs()
                                   .Ret<Int32Matrix>());

@@ -46,9 +46,13 @@ GROUP = 4  # k per int8 lane (`vpdpbusd`)
 TARGET = "jspec_gemm_f32"  # the FFI target names inside compiled programs
 TARGET_INT8 = "jspec_gemm_i8"  # u8 x s8, AVX-512 VNNI
 TARGET_S8 = "jspec_gemm_s8"  # s8 x s8, AVX2
-TARGETS = (TARGET, TARGET_INT8, TARGET_S8)
+# The same products with the weight picked from one buffer per layer (`LayerPick`).
+LAYER_TARGETS = {t: t + "_layer" for t in (TARGET, TARGET_INT8, TARGET_S8)}
+TARGETS = (TARGET, TARGET_INT8, TARGET_S8, *LAYER_TARGETS.values())
 SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
-_SYMBOLS = {TARGET: "JspecGemmF32", TARGET_INT8: "JspecGemmI8", TARGET_S8: "JspecGemmS8"}
+_SYMBOLS = {TARGET: "JspecGemmF32", TARGET_INT8: "JspecGemmI8", TARGET_S8: "JspecGemmS8",
+            LAYER_TARGETS[TARGET]: "JspecGemmF32Layer", LAYER_TARGETS[TARGET_INT8]: "JspecGemmI8Layer",
+            LAYER_TARGETS[TARGET_S8]: "JspecGemmS8Layer"}
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
 _LIBRARY = None  # the loaded library: kept referenced so it is never unloaded
 
@@ -133,6 +137,44 @@ def _unpack_table(panels: jax.Array) -> jax.Array:  # [V/32, D, 32] -> [V, D]
   return _unpack(panels).T
 
 
+class LayerPick:
+  """One layer's weight out of per-layer buffers, chosen by a traced layer index.
+
+  A `lax.scan` over layers (`jspec.model`) hands this to the kernels in
+  place of a weight: they take every layer's buffer and the index, and
+  read the chosen one where it lies. Slicing a stacked [L, ...] weight in
+  the loop would copy it first, which cost 2.7x in decode.
+
+  Attributes:
+    weights: one array per layer, all of one shape and dtype.
+    index: [] int32 layer.
+  """
+
+  def __init__(self, weights: tuple[jax.Array, ...], index: jax.Array):
+    self.weights = tuple(weights)
+    self.index = index
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.weights[0].shape
+
+  @property
+  def dtype(self):
+    return self.weights[0].dtype
+
+  def value(self) -> jax.Array:
+    """The chosen layer's weight as an array (a copy: for the fallbacks without the kernel)."""
+    return jax.lax.switch(self.index, [lambda w=w: w for w in self.weights])
+
+
+def _call(target: str, out_type, x: jax.Array, panels) -> jax.Array:
+  """The FFI call of `target`, or of its layer variant when `panels` is a `LayerPick`."""
+  if isinstance(panels, LayerPick):
+    return jax.ffi.ffi_call(LAYER_TARGETS[target], out_type)(
+        x, panels.index.astype(jnp.int32), *panels.weights)
+  return jax.ffi.ffi_call(target, out_type)(x, panels)
+
+
 def matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
   """x @ W for W stored as panels: [..., K] x [N/32, K, 32] -> [..., N], in x's dtype.
 
@@ -141,7 +183,7 @@ def matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
 
   Args:
     x: [..., K] activations.
-    panels: W [K, N] as `pack` returns it.
+    panels: W [K, N] as `pack` returns it, or a `LayerPick` of such.
 
   Returns:
     [..., N].
@@ -152,8 +194,10 @@ def matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
   if (x.dtype == jnp.float32 and panels.dtype == jnp.float32 and available()
       and jax.default_backend() == "cpu"):
     out_type = jax.ShapeDtypeStruct((rows.shape[0], p * width), jnp.float32)
-    y = jax.ffi.ffi_call(TARGET, out_type)(rows, panels)
+    y = _call(TARGET, out_type, rows, panels)
   else:
+    if isinstance(panels, LayerPick):
+      panels = panels.value()
     y = jnp.einsum("mk,pkw->mpw", rows, panels).reshape(rows.shape[0], p * width)
   return y.reshape(*lead, p * width)
 
@@ -244,7 +288,7 @@ def matmul_int8(xq: jax.Array, panels: jax.Array, sums: jax.Array) -> jax.Array:
 
   Args:
     xq: [M, K] int8 activations (symmetric, so in [-127, 127]).
-    panels, sums: q as `pack_int8` returns it.
+    panels, sums: q as `pack_int8` returns it (panels may be a `LayerPick`).
 
   Returns:
     [M, N] int32, equal to the int32 product.
@@ -256,10 +300,12 @@ def matmul_int8(xq: jax.Array, panels: jax.Array, sums: jax.Array) -> jax.Array:
   pad = ((0, 0), (0, groups * group - k))  # zeros meet zero weights
   if kind == "vnni":
     shifted = jnp.pad((xq.astype(jnp.int32) + 128).astype(jnp.uint8), pad)
-    acc = jax.ffi.ffi_call(TARGET_INT8, out_type)(shifted, panels)
+    acc = _call(TARGET_INT8, out_type, shifted, panels)
     return acc - 128 * sums[None, :]
   if kind == "avx2":
-    return jax.ffi.ffi_call(TARGET_S8, out_type)(jnp.pad(xq, pad), panels)
+    return _call(TARGET_S8, out_type, jnp.pad(xq, pad), panels)
+  if isinstance(panels, LayerPick):
+    panels = panels.value()
   q = unpack_int8(panels, k)  # [N, K]
   return jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
 

@@ -7,14 +7,19 @@ Axis names used in shape comments and einsum strings:
   N query heads, K key/value heads, G = N / K query heads per kv head,
   H head width, V vocabulary, L layers.
 
-The layers run as a Python loop over per-layer params (unrolled in the XLA
-program), not as `lax.scan` over stacked params: on XLA CPU the scan's dynamic
-slice copies every layer's weights on every step, which cost 2.7x in decode
-(9 GB/s against the 25 GB/s memory roof; see README "Design measurements").
+Params stay per layer (`layers_0`, `layers_1`, ...), never stacked: on XLA
+CPU a `lax.scan` over stacked params dynamic-slices (copies) every layer's
+weights on every step, which cost 2.7x in decode (9 GB/s against the 25 GB/s
+memory roof; see README "Design measurements"). When every matrix is stored
+for jspec's CPU kernels, the layers still run as one loop (`_scan_layers`),
+the kernels picking each layer's weights by index where they lie, so a
+forward compiles one layer instead of L; otherwise they are a Python loop,
+unrolled in the XLA program.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -314,9 +319,15 @@ class Qwen2(nn.Module):
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
     x = embed(tokens)  # [B, T, D]
     k_buf, v_buf = cache.k, cache.v
-    for layer in range(cfg.num_layers):
-      x, k_buf, v_buf = DecoderBlock(cfg, self.dtype, layer, name=f"layers_{layer}")(
-          x, positions, k_buf, v_buf, starts)
+    layers = None
+    if SCAN_LAYERS and self.has_variable("params", "layers_0"):
+      layers = [self.get_variable("params", f"layers_{i}") for i in range(cfg.num_layers)]
+    if layers is not None and _scannable(layers):
+      x, k_buf, v_buf = _scan_layers(cfg, self.dtype, layers, x, positions, k_buf, v_buf, starts)
+    else:
+      for layer in range(cfg.num_layers):
+        x, k_buf, v_buf = DecoderBlock(cfg, self.dtype, layer, name=f"layers_{layer}")(
+            x, positions, k_buf, v_buf, starts)
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)  # [B, T', D]
     x = RMSNorm(cfg.rms_norm_eps, name="norm")(x)
@@ -344,6 +355,78 @@ class Qwen2(nn.Module):
     else:
       logits = jnp.einsum("BTD,VD->BTV", x, table, preferred_element_type=jnp.float32)
     return logits, cache.replace(k=k_buf, v=v_buf, lengths=starts + t)
+
+
+# Whether forwards over kernel-packed layers run as one loop over layers
+# (`_scan_layers`); JSPEC_SCAN_LAYERS=0 unrolls them as for every other
+# layout (to compare the two; read once, it is part of `program_store` keys).
+SCAN_LAYERS = os.environ.get("JSPEC_SCAN_LAYERS", "1") != "0"
+_PICKED = ("panels", "qpanels")  # the per-layer weights the kernels pick by index
+
+
+def _scannable(layers: list) -> bool:
+  """Whether every matrix of every layer is one the CPU kernels can pick by layer index.
+
+  Any other matrix would have to be stacked and sliced in the loop, which
+  copies it each step (the 2.7x of the module docstring).
+  """
+  if jax.default_backend() != "cpu":
+    return False
+  leaves = jax.tree_util.tree_flatten_with_path(layers[0])[0]
+  if any(leaf.ndim > 1 and path[-1].key not in _PICKED for path, leaf in leaves):
+    return False
+  names = {path[-1].key for path, _ in leaves}
+  if "panels" in names and not cpu_kernels.available():
+    return False
+  return "qpanels" not in names or cpu_kernels.int8_kind() is not None
+
+
+def _scan_layers(cfg: config_lib.Qwen2Config, dtype, layers: list, x, positions, k_buf, v_buf,
+                 starts):
+  """The decoder layers as one `lax.scan`: each forward compiles one layer, not L.
+
+  The kernels' weights stay per layer and each step picks its layer's
+  (`cpu_kernels.LayerPick`); the small params (norms, biases, scales) are
+  stacked, a few KB per layer. The caches are only read in the loop: each
+  step attends over its own layer's slice with the new chunk written in,
+  and the chunks of every layer go into the caches once, after the loop.
+  Carried through the loop and written each step, XLA copied the whole
+  cache every layer (decode 1.2x slower on the real pair).
+
+  Args:
+    cfg: the model's config.
+    dtype: activation dtype.
+    layers: the L layers' param trees (`_scannable`).
+    x: [B, T, D] embedded tokens.
+    positions: [B, T] int32.
+    k_buf, v_buf: [L, B, S, K, H] caches.
+    starts: [B] int32 first new slot per row.
+
+  Returns:
+    (x [B, T, D] after the last layer, k_buf, v_buf with the chunk written).
+  """
+  flat = [jax.tree_util.tree_flatten_with_path(layer)[0] for layer in layers]
+  treedef = jax.tree_util.tree_structure(layers[0])
+  picked = [path[-1].key in _PICKED for path, _ in flat[0]]
+  columns = [tuple(leaves[j][1] for leaves in flat) for j in range(len(flat[0]))]
+  columns = [c if big else jnp.stack(c) for c, big in zip(columns, picked)]
+  t = x.shape[1]
+
+  def chunk(buf):  # [1, B, S, K, H] -> [B, T, K, H] the slots each row just wrote
+    return jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, t, axis=0))(buf[0], starts)
+
+  def body(x, i):
+    leaves = [cpu_kernels.LayerPick(c, i) if big else c[i] for c, big in zip(columns, picked)]
+    params = jax.tree_util.tree_unflatten(treedef, leaves)
+    k_layer = jax.lax.dynamic_slice_in_dim(k_buf, i, 1, axis=0)  # [1, B, S, K, H]
+    v_layer = jax.lax.dynamic_slice_in_dim(v_buf, i, 1, axis=0)
+    x, k_layer, v_layer = DecoderBlock(cfg, dtype, 0, parent=None).apply(
+        {"params": params}, x, positions, k_layer, v_layer, starts)
+    return x, (chunk(k_layer), chunk(v_layer))
+
+  x, (new_k, new_v) = jax.lax.scan(body, x, jnp.arange(len(layers), dtype=jnp.int32))
+  # new_k, new_v: [L, B, T, K, H]
+  return x, cache_lib.write_chunks(k_buf, new_k, starts), cache_lib.write_chunks(v_buf, new_v, starts)
 
 
 def forward(params: Params, cfg: config_lib.Qwen2Config, tokens: jax.Array,

@@ -37,6 +37,7 @@ from jax import export
 from jspec import cache as cache_lib
 from jspec import cpu_kernels
 from jspec import decode
+from jspec import model
 from jspec import quant
 
 _SUBDIR = "jspec-programs"  # inside the XLA cache dir (JAX only reads its *-cache files)
@@ -131,6 +132,7 @@ def program_key(name: str, args: Sequence[Any], static: dict) -> str:
     # Which CPU kernels a trace calls depends on the host (a cache directory
     # can move to a machine without AVX-512, whose library lacks VNNI's).
     parts.append(f"cpu_kernels={cpu_kernels.available()},{cpu_kernels.int8_kind()}")
+    parts.append(f"scan_layers={model.SCAN_LAYERS}")  # JSPEC_SCAN_LAYERS
   return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:40]
 
 

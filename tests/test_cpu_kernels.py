@@ -167,3 +167,29 @@ def test_pack_int8_interleaves_four_k_per_output_and_round_trips():
   np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_int8(panels, 10)), q)
   with pytest.raises(ValueError, match="40 rows are not a multiple of 32"):
     cpu_kernels.pack_int8(jnp.zeros((40, 8), jnp.int8))
+
+
+def test_layer_variants_pick_the_indexed_layers_weight():
+  # A loop over layers hands the kernels every layer's weight and a traced
+  # index (`LayerPick`); each index must give that layer's product, and an
+  # index past the layers is an error, not a read out of bounds.
+  if not cpu_kernels.available():
+    pytest.skip(f"kernel unavailable: {cpu_kernels.unavailable_reason()}")
+  x = jnp.asarray(_random((3, 64), 1))
+  ws = tuple(cpu_kernels.pack(jnp.asarray(_random((64, 96), 10 + i))) for i in range(3))
+  pick = jax.jit(lambda x, i, *ws: cpu_kernels.matmul(x, cpu_kernels.LayerPick(ws, i)))
+  for i in range(3):
+    np.testing.assert_array_equal(np.asarray(pick(x, jnp.int32(i), *ws)),
+                                  np.asarray(jax.jit(cpu_kernels.matmul)(x, ws[i])))
+  with pytest.raises(Exception, match="layer 3 outside"):
+    jax.block_until_ready(pick(x, jnp.int32(3), *ws))
+  if cpu_kernels.int8_kind() is None:
+    return
+  xq = jnp.asarray(_int8((2, 40), 2))
+  tables = [cpu_kernels.pack_int8(jnp.asarray(_int8((64, 40), 20 + i))) for i in range(3)]
+  panels = tuple(t[0] for t in tables)
+  pick8 = jax.jit(lambda xq, i, sums, *ps: cpu_kernels.matmul_int8(
+      xq, cpu_kernels.LayerPick(ps, i), sums))
+  for i in range(3):
+    np.testing.assert_array_equal(np.asarray(pick8(xq, jnp.int32(i), tables[i][1], *panels)),
+                                  np.asarray(jax.jit(cpu_kernels.matmul_int8)(xq, *tables[i])))

@@ -15,6 +15,7 @@ from jspec import config as config_lib
 from jspec import cpu_kernels
 from jspec import layout
 from jspec import model
+from jspec import quant
 
 
 def _copy(params):
@@ -133,3 +134,38 @@ def test_generate_packs_the_target_and_every_method_agrees_with_xla_layouts(monk
   monkeypatch.setattr(cpu_kernels, "available", lambda: False)
   xla = jspec.generate(bundle, prompt, max_new_tokens=16, gamma=4)
   assert layout.of(bundle.target.params) == "cols" and xla.token_ids == first.token_ids
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_packed_layers_run_as_one_loop_with_the_unrolled_results(int8, monkeypatch):
+  # Kernel-packed layers compile one layer per forward (`model._scan_layers`,
+  # the kernels picking each layer's weights by index): the logits and cache
+  # must be the unrolled layers' (fp32: bit for bit), after a chunk and after
+  # a second one that reads the first from the cache.
+  if not cpu_kernels.available() or (int8 and cpu_kernels.int8_kind() is None):
+    pytest.skip("no CPU kernel for this here")
+  cfg = config_lib.Qwen2Config(**{**tiny.PACKABLE_TARGET.to_dict(), "num_layers": 3})
+  params = model.init_params(cfg, jax.random.key(3), scale=0.3)
+  params = quant.pack(quant.quantize(params)) if int8 else layout.convert(params, "packed")
+  tokens = jnp.asarray(np.random.RandomState(3).randint(0, cfg.vocab_size, size=(2, 6)), jnp.int32)
+
+  def run(first, second, cache):
+    logits, cache = model.forward(params, cfg, first, cache)
+    more, cache = model.forward(params, cfg, second, cache)
+    return logits, more, cache
+
+  results = {}
+  for scan in (False, True):
+    monkeypatch.setattr(model, "SCAN_LAYERS", scan)
+    fn = jax.jit(lambda *args: run(*args))  # a new function: jit's cache would keep the first trace
+    args = (tokens[:, :4], tokens[:, 4:], cache_lib.init(cfg, 2, 16))
+    text = fn.lower(*args).as_text()
+    kernel = {"avx2": cpu_kernels.TARGET_S8, "vnni": cpu_kernels.TARGET_INT8}.get(
+        cpu_kernels.int8_kind()) if int8 else cpu_kernels.TARGET
+    assert (cpu_kernels.LAYER_TARGETS[kernel] in text) == scan
+    results[scan] = fn(*args)
+  if int8:  # XLA compiles the elementwise work around the int8 kernel differently in the loop
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+                 results[False], results[True])
+  else:
+    jax.tree.map(np.testing.assert_array_equal, results[False], results[True])
