@@ -156,7 +156,11 @@ def test_int8_is_the_default_on_cpu_only():
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_packed_int8_params_compute_exactly_what_plain_int8_ones_do(tied):
+def test_packed_int8_params_compute_exactly_what_plain_int8_ones_do(tied, monkeypatch):
+  # Both unrolled: this checks the kernel against XLA's int8 dot. Packed
+  # layers otherwise run as one loop, whose elementwise work XLA compiles
+  # differently (test_layout's loop test: equal to rounding).
+  monkeypatch.setattr(model, "SCAN_LAYERS", False)
   cfg = dataclasses.replace(tiny.PACKABLE_TARGET, tie_word_embeddings=tied)
   params = model.init_params(cfg, jax.random.key(3), scale=0.3)
   plain = quant.quantize(params)
