@@ -365,10 +365,17 @@ _PICKED = ("panels", "qpanels")  # the per-layer weights the kernels pick by ind
 
 
 def _scannable(layers: list) -> bool:
-  """Whether every matrix of every layer is one the CPU kernels can pick by layer index.
+  """Whether every matrix of the layers is one the CPU kernels can pick by layer index.
 
   Any other matrix would have to be stacked and sliced in the loop, which
   copies it each step (the 2.7x of the module docstring).
+
+  Args:
+    layers: the L layers' param trees (one structure: the first is read).
+
+  Returns:
+    True on CPU when every matrix is kernel panels (fp32 or int8) and the
+    kernels for them are built.
   """
   if jax.default_backend() != "cpu":
     return False
