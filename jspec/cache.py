@@ -73,28 +73,27 @@ def write_layer(buf: jax.Array, layer: int, new: jax.Array, starts: jax.Array) -
   Returns:
     [L, B, S, K, H] the buffer with the entries written.
   """
-  def one_row(row_buf, row_new, start):  # [L, S, K, H], [T, K, H], []
-    zero = jnp.zeros((), jnp.int32)
-    return jax.lax.dynamic_update_slice(
-        row_buf, row_new[None].astype(row_buf.dtype), (jnp.int32(layer), start, zero, zero))
-  return jax.vmap(one_row, in_axes=(1, 0, 0), out_axes=1)(buf, new, starts)
+  return write_chunks(buf, new[None], starts, first_layer=layer)
 
 
-def write_chunks(buf: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
-  """Writes every layer's new keys (or values) at each row's own offset.
+def write_chunks(buf: jax.Array, new: jax.Array, starts: jax.Array,
+                 first_layer: int = 0) -> jax.Array:
+  """Writes consecutive layers' new keys (or values) at each row's own offset.
 
   Args:
     buf: [L, B, S, K, H] the whole cache buffer.
-    new: [L, B, T, K, H] entries for T consecutive positions per row and layer.
+    new: [L', B, T, K, H] entries for T consecutive positions per row, for
+      layers first_layer .. first_layer + L' - 1.
     starts: [B] int32 first slot to write in each row.
+    first_layer: static index of new's first layer.
 
   Returns:
     [L, B, S, K, H] the buffer with the entries written.
   """
-  def one_row(row_buf, row_new, start):  # [L, S, K, H], [L, T, K, H], []
+  def one_row(row_buf, row_new, start):  # [L, S, K, H], [L', T, K, H], []
     zero = jnp.zeros((), jnp.int32)
     return jax.lax.dynamic_update_slice(row_buf, row_new.astype(row_buf.dtype),
-                                        (zero, start, zero, zero))
+                                        (jnp.int32(first_layer), start, zero, zero))
   return jax.vmap(one_row, in_axes=(1, 1, 0), out_axes=1)(buf, new, starts)
 
 
