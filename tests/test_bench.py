@@ -20,6 +20,7 @@ from bench import kernel_ab
 from bench import modes as modes_lib
 from bench import prompts as prompts_lib
 from bench import results
+from bench import roofline
 from bench import shapes
 from jspec import api
 from jspec import cpu_kernels
@@ -250,3 +251,27 @@ def test_kernel_ab_refuses_row_counts_below_one(capsys):
   with pytest.raises(SystemExit):
     kernel_ab.main(["--base", "HEAD", "--m", "1,0"])
   assert "expected row counts and reps of at least 1" in capsys.readouterr().err
+
+
+def test_roofline_times_a_forward_its_products_and_both_matvecs(monkeypatch, capsys):
+  # The 1.5B's shapes swapped for a tiny packable target, 1 MiB matvecs:
+  # this checks the tool runs and reports what it says; the figures are
+  # the real target's (README "Design measurements").
+  if not cpu_kernels.available():
+    pytest.skip(f"kernel unavailable: {cpu_kernels.unavailable_reason()}")
+  monkeypatch.setattr(shapes, "QWEN25_CODER_1_5B", tiny.PACKABLE_TARGET)
+  out = roofline.main(["--reps", "2", "--gib", str(1 / 1024)])
+  for name in ("forward", "products", "xla_matvec", "kernel_matvec"):
+    assert 0 < out[name]["best_ms"] <= out[name]["median_ms"]
+    assert out[name]["best_gbs"] >= out[name]["median_gbs"] > 0
+  # Both count the same weight bytes: the forward's rate is the products' at its own time.
+  forward, products = out["forward"], out["products"]
+  assert forward["median_gbs"] * forward["median_ms"] == pytest.approx(
+      products["median_gbs"] * products["median_ms"])
+  assert out["forward_vs_matvec"]["median"] >= out["forward_vs_matvec"]["best"]
+  assert "over its best (the bench's roof)" in capsys.readouterr().out
+
+
+def test_roofline_refuses_no_reps():
+  with pytest.raises(SystemExit):
+    roofline.main(["--reps", "0"])
