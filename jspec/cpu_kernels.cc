@@ -82,10 +82,11 @@ typedef float VecU __attribute__((vector_size(4 * kLanes), aligned(4)));  // una
 // `panel` and `y` may point into the middle of a panel row), or with
 // `accumulate` y[m, 0:W] + that sum (the same FMAs in the same order as one
 // pass over the whole of K: a stored float32 accumulator reloads exactly).
-// With PF, next's first k_size cache lines are prefetched into L2, one per k
-// (a template argument: a run-time test in the loop made GCC hold the
-// weights in registers and spill an accumulator, 1.2x slower at 33 rows).
-template <int MR, int NV = kVecs, bool PF = false>
+// With PF > 0, next's first ceil(k_size / PF) cache lines are prefetched into
+// L2, one every PF k (a template argument: a run-time test in the loop made
+// GCC hold the weights in registers and spill an accumulator, 1.2x slower
+// at 33 rows).
+template <int MR, int NV = kVecs, int PF = 0>
 void Tile(const float* x, int64_t ldx, const float* panel, int64_t k_size, float* y,
           int64_t ldy, bool accumulate, const float* next = nullptr) {
   Vec acc[MR][NV];
@@ -105,7 +106,7 @@ void Tile(const float* x, int64_t ldx, const float* panel, int64_t k_size, float
     // 16 rows (2 KiB) ahead: the hardware prefetcher alone leaves the FMAs
     // waiting at the start of every panel. One line per 16 floats read.
     for (int v = 0; v < NV * kLanes; v += 16) __builtin_prefetch(row + 16 * kPanel + v, 0, 3);
-    if (PF) __builtin_prefetch(next + 16 * k, 0, 2);  // a line a k, into L2
+    if (PF && k % PF == 0) __builtin_prefetch(next + 16 * (k / PF), 0, 2);  // into L2
 #pragma GCC unroll 12
     for (int m = 0; m < MR; ++m) {
       const float b = x[m * ldx + k];
@@ -132,7 +133,11 @@ void Tile(const float* x, int64_t ldx, const float* panel, int64_t k_size, float
 //   prefetched into L2 while the passes over the current one run:
 //   otherwise only the first pass reads memory, one stream per core, and
 //   the FMAs of the later passes do not overlap with it. With more rows
-//   (more passes, each longer) the prefetch made them slower.
+//   (more passes, each longer) the prefetch made them slower. Its 2 x kc
+//   lines go a line a k over the first two passes, or, from four passes
+//   (10 rows), a line every other k over the first four: requests spread
+//   over more of the block's FMAs. That took 0.88x and 0.85x the time at
+//   12 and 17 rows (a 17-wide verify), the same at 5, 9 and 23.
 //
 // AVX-512 has room for its whole panel at 12 rows, and neither was
 // measured there: it keeps its tile, without the prefetch.
@@ -188,16 +193,18 @@ void RowTile(const float* x, const float* panel, int64_t panel_stride, int64_t k
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool,
                        const float*);
-// kTiles[r] is Tile<r> for r in [1, kRows], kTilesPF[r] the same with the
-// prefetch; kWideTiles[r] is Tile<r, kWideVecs> for r in [1, kWideRows].
-template <int NV, bool PF, int... R>
+// kTiles[r] is Tile<r> for r in [1, kRows], kTilesPF[r] and kTilesPF2[r] the
+// same with the prefetch of a line every k and every other k; kWideTiles[r]
+// is Tile<r, kWideVecs> for r in [1, kWideRows].
+template <int NV, int PF, int... R>
 constexpr std::array<TileFn, sizeof...(R) + 1> MakeTiles(std::integer_sequence<int, R...>) {
   return {nullptr, Tile<R + 1, NV, PF>...};
 }
-constexpr auto kTiles = MakeTiles<kVecs, false>(std::make_integer_sequence<int, kRows>{});
-constexpr auto kTilesPF = MakeTiles<kVecs, true>(std::make_integer_sequence<int, kRows>{});
+constexpr auto kTiles = MakeTiles<kVecs, 0>(std::make_integer_sequence<int, kRows>{});
+constexpr auto kTilesPF = MakeTiles<kVecs, 1>(std::make_integer_sequence<int, kRows>{});
+constexpr auto kTilesPF2 = MakeTiles<kVecs, 2>(std::make_integer_sequence<int, kRows>{});
 constexpr auto kWideTiles =
-    MakeTiles<kWideVecs, false>(std::make_integer_sequence<int, kWideRows>{});
+    MakeTiles<kWideVecs, 0>(std::make_integer_sequence<int, kWideRows>{});
 
 // y[m, 0:32] (int32) = sum_k xu[m, k] * panel[k / 4, 0:32, k % 4] for m in [0, MR):
 // unsigned 8-bit activations times signed 8-bit weights, four k at a time
@@ -402,21 +409,25 @@ ffi::Error GemmF32(ffi::ThreadPool pool, Matrix x, Panels w, ffi::Result<Matrix>
   const TileFn* tiles = wide ? kWideTiles.data() : kTiles.data();
   const int64_t tile_rows = wide ? kWideRows : kRows;
   const int64_t tile_cols = wide ? kWideCols : kPanel;
+  const int64_t passes = (m_size + tile_rows - 1) / tile_rows * (kPanel / tile_cols);  // per block
+  const int64_t stride = passes >= 4 ? 2 : 1;  // k per prefetched line
+  const TileFn* tiles_pf = stride == 2 ? kTilesPF2.data() : kTilesPF.data();
   ForEachPanel(pool, wd[0], [=](int64_t p) {
     const float* panel = wp + p * k_size * kPanel;
     for (int64_t k0 = 0; k0 < k_size; k0 += kBlockK) {
       const int64_t kc = std::min(kBlockK, k_size - k0);
       // The block after this one (after the last, the next panel's first):
-      // its 2 * kc lines at most, a line per k of the first two passes
-      // (kTilesPF; a prefetch past the end of w is a no-op).
+      // its 2 * kc lines at most, a line per `stride` k of the first
+      // 2 * stride passes (a prefetch past the end of w is a no-op).
       const float* next = panel + std::min(k0 + kBlockK, k_size) * kPanel;
       int64_t pass = 0;
       for (int64_t m0 = 0; m0 < m_size; m0 += tile_rows) {
         const int64_t rows = std::min(tile_rows, m_size - m0);
         for (int64_t c = 0; c < kPanel; c += tile_cols, ++pass) {
-          const TileFn tile = prefetch && pass < 2 ? kTilesPF[rows] : tiles[rows];
+          const TileFn tile = prefetch && pass < 2 * stride ? tiles_pf[rows] : tiles[rows];
           tile(xp + m0 * k_size + k0, k_size, panel + k0 * kPanel + c, kc,
-               yp + m0 * n_size + p * kPanel + c, n_size, k0 > 0, next + pass * kc * 16);
+               yp + m0 * n_size + p * kPanel + c, n_size, k0 > 0,
+               next + pass * ((kc + stride - 1) / stride) * 16);
         }
       }
     }
