@@ -44,10 +44,13 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_threads.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using jspec_cpu::ForEachPanel;
 
 constexpr int64_t kPanel = 32;  // output columns per panel
 // Rows per register tile: each row holds 32 accumulators, two AVX-512
@@ -316,53 +319,6 @@ constexpr std::array<TileS8Fn, kRowsS8 + 1> kTilesS8 = {nullptr, TileS8<1>, Tile
 #else
 constexpr bool kHaveS8 = false;
 #endif
-
-// A spin-wait hint: the chunks still running take microseconds.
-inline void Relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
-// One multiply, split into chunks of panels that threads claim in turn.
-struct Job {
-  std::function<void(int64_t)> panel;  // computes every row's outputs in one panel
-  int64_t panels, panels_per_chunk, chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-// Claims and runs chunks until none is left. Every thread, the caller
-// included, does this, so the caller never waits on a task that has not
-// started: a pool thread busy elsewhere just finds nothing left to do.
-void Work(Job& job) {
-  for (;;) {
-    const int64_t chunk = job.next.fetch_add(1, std::memory_order_relaxed);
-    if (chunk >= job.chunks) return;
-    const int64_t first = chunk * job.panels_per_chunk;
-    const int64_t last = std::min(job.panels, first + job.panels_per_chunk);
-    for (int64_t p = first; p < last; ++p) job.panel(p);
-    job.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
-// Runs panel(p) for every p in [0, panels) on XLA's intra-op threads and the caller's.
-void ForEachPanel(ffi::ThreadPool& pool, int64_t panels, std::function<void(int64_t)> panel) {
-  auto job = std::make_shared<Job>();
-  job->panel = std::move(panel);
-  job->panels = panels;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // A few chunks per thread, so that a thread that starts late still helps.
-  job->panels_per_chunk = std::max<int64_t>(1, panels / (4 * threads));
-  job->chunks = (panels + job->panels_per_chunk - 1) / job->panels_per_chunk;
-  for (int64_t t = 1; t < std::min(threads, job->chunks); ++t) {
-    pool.Schedule([job] { Work(*job); });  // the shared_ptr outlives a late task
-  }
-  Work(*job);
-  while (job->done.load(std::memory_order_acquire) < job->chunks) {
-    Relax();
-  }
-}
 
 using Matrix = ffi::Buffer<ffi::F32, 2>;  // aliases: the handler macro splits on commas
 using Panels = ffi::Buffer<ffi::F32, 3>;

@@ -48,11 +48,15 @@ TARGET_INT8 = "jspec_gemm_i8"  # u8 x s8, AVX-512 VNNI
 TARGET_S8 = "jspec_gemm_s8"  # s8 x s8, AVX2
 # The same products with the weight picked from one buffer per layer (`LayerPick`).
 LAYER_TARGETS = {t: t + "_layer" for t in (TARGET, TARGET_INT8, TARGET_S8)}
-TARGETS = (TARGET, TARGET_INT8, TARGET_S8, *LAYER_TARGETS.values())
+TARGET_ATTEND = "jspec_attend_f32"  # decode attention over the cache (`jspec.cpu_attention`)
+TARGETS = (TARGET, TARGET_INT8, TARGET_S8, *LAYER_TARGETS.values(), TARGET_ATTEND)
 SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
+# Built into the same library: the attention kernel and the thread helpers both include.
+OTHER_SOURCES = (pathlib.Path(__file__).with_name("cpu_attention.cc"),)
+HEADERS = (pathlib.Path(__file__).with_name("cpu_threads.h"),)
 _SYMBOLS = {TARGET: "JspecGemmF32", TARGET_INT8: "JspecGemmI8", TARGET_S8: "JspecGemmS8",
             LAYER_TARGETS[TARGET]: "JspecGemmF32Layer", LAYER_TARGETS[TARGET_INT8]: "JspecGemmI8Layer",
-            LAYER_TARGETS[TARGET_S8]: "JspecGemmS8Layer"}
+            LAYER_TARGETS[TARGET_S8]: "JspecGemmS8Layer", TARGET_ATTEND: "JspecAttendF32"}
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
 _LIBRARY = None  # the loaded library: kept referenced so it is never unloaded
 
@@ -354,8 +358,11 @@ def _host_cpu() -> str:
 def build(source: pathlib.Path = SOURCE) -> pathlib.Path:
   """The compiled library for this source, compiler, jaxlib and CPU, compiling it if missing.
 
+  The library also holds `OTHER_SOURCES`, as they are in this tree; both
+  find `HEADERS` in this directory.
+
   Args:
-    source: the C++ file (another revision of it: `bench.kernel_ab`).
+    source: the matmul kernels' C++ file (another revision of it: `bench.kernel_ab`).
 
   Returns:
     Path of the shared library.
@@ -366,7 +373,9 @@ def build(source: pathlib.Path = SOURCE) -> pathlib.Path:
   """
   include = jax.ffi.include_dir()
   digest = hashlib.sha256()
-  for part in (source.read_bytes(), " ".join(_compiler() + list(_FLAGS)).encode(),
+  sources = (source, *OTHER_SOURCES)
+  texts = [path.read_bytes() for path in sources + HEADERS]
+  for part in (*texts, " ".join(_compiler() + list(_FLAGS)).encode(),
                importlib.metadata.version("jaxlib").encode(), _host_cpu().encode()):
     digest.update(part + b"\0")
   directory = fetch.cache_dir() / "kernels" / digest.hexdigest()[:24]
@@ -377,10 +386,11 @@ def build(source: pathlib.Path = SOURCE) -> pathlib.Path:
   fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
   os.close(fd)
   try:
-    command = _compiler() + list(_FLAGS) + ["-I", include, str(source), "-o", tmp]
+    command = (_compiler() + list(_FLAGS) + ["-I", include, "-I", str(SOURCE.parent)]
+               + [str(path) for path in sources] + ["-o", tmp])
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
-      raise RuntimeError(f"compiling {source.name} failed ({shlex.join(command)}): "
+      raise RuntimeError(f"compiling {', '.join(path.name for path in sources)} failed ({shlex.join(command)}): "
                          f"{(done.stderr or done.stdout)[-2000:]}")
     os.replace(tmp, path)  # atomic: another process sees all of it or none
   finally:

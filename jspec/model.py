@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from jspec import cache as cache_lib
 from jspec import config as config_lib
+from jspec import cpu_attention
 from jspec import cpu_kernels
 from jspec import quant
 
@@ -202,10 +203,16 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 class Attention(nn.Module):
-  """Grouped-query attention over the cache, with q/k/v biases and no o bias."""
+  """Grouped-query attention over the cache, with q/k/v biases and no o bias.
+
+  With `fused`, the caches are only read, by jspec's CPU attention kernel
+  (`jspec.cpu_attention`), and the chunk's keys and values are returned for
+  the caller to write.
+  """
 
   cfg: config_lib.Qwen2Config
   dtype: jnp.dtype
+  fused: bool = False
 
   @nn.compact
   def __call__(self, x, positions, k_buf, v_buf, layer, starts):
@@ -216,11 +223,13 @@ class Attention(nn.Module):
       positions: [B, T] int32 positions (= slots) of the new tokens.
       k_buf: [L, B, S, K, H] key cache of all layers.
       v_buf: [L, B, S, K, H] value cache of all layers.
-      layer: static index of this layer in the cache.
+      layer: index of this layer in the cache: static, or with `fused` a
+        [] int32 array.
       starts: [B] int32 slot of the first new token per row.
 
     Returns:
-      ([B, T, D] output, k_buf, v_buf) with this chunk's keys and values written.
+      ([B, T, D] output, k_buf, v_buf) with this chunk's keys and values
+      written; with `fused` ([B, T, D] output, new_k, new_v [B, T, K, H]).
     """
     cfg = self.cfg
     b, t, _ = x.shape
@@ -231,6 +240,10 @@ class Attention(nn.Module):
     new_v = dense(k * h, "v_proj", True)(x).reshape(b, t, k, h)
     q = rope(q, positions, cfg.rope_theta)
     new_k = rope(new_k, positions, cfg.rope_theta)
+    o_proj = dense(cfg.hidden_size, "o_proj", False)
+    if self.fused:
+      out = cpu_attention.attend(q, new_k, new_v, k_buf, v_buf, layer, starts)  # [B, T, N, H]
+      return o_proj(out.reshape(b, t, n * h)), new_k, new_v
     k_buf = cache_lib.write_layer(k_buf, layer, new_k, starts)
     v_buf = cache_lib.write_layer(v_buf, layer, new_v, starts)
     keys, values = k_buf[layer], v_buf[layer]  # [B, S, K, H]
@@ -246,7 +259,7 @@ class Attention(nn.Module):
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, values).reshape(b, t, n * h)
-    return dense(cfg.hidden_size, "o_proj", False)(out), k_buf, v_buf
+    return o_proj(out), k_buf, v_buf
 
 
 class MLP(nn.Module):
@@ -264,17 +277,23 @@ class MLP(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-  """Pre-norm attention and MLP with residuals."""
+  """Pre-norm attention and MLP with residuals.
+
+  Returns (x, k_buf, v_buf) with the chunk written; with `fused` (see
+  `Attention`) (x, new_k, new_v), and the layer index comes as `layer_index`.
+  """
 
   cfg: config_lib.Qwen2Config
   dtype: jnp.dtype
   layer: int
+  fused: bool = False
 
   @nn.compact
-  def __call__(self, x, positions, k_buf, v_buf, starts):
+  def __call__(self, x, positions, k_buf, v_buf, starts, layer_index=None):
     eps = self.cfg.rms_norm_eps
-    attn_out, k_buf, v_buf = Attention(self.cfg, self.dtype, name="self_attn")(
-        RMSNorm(eps, name="input_layernorm")(x), positions, k_buf, v_buf, self.layer, starts)
+    layer = layer_index if self.fused else self.layer
+    attn_out, k_buf, v_buf = Attention(self.cfg, self.dtype, self.fused, name="self_attn")(
+        RMSNorm(eps, name="input_layernorm")(x), positions, k_buf, v_buf, layer, starts)
     x = x + attn_out
     x = x + MLP(self.cfg, self.dtype, name="mlp")(RMSNorm(eps, name="post_attention_layernorm")(x))
     return x, k_buf, v_buf
@@ -361,6 +380,17 @@ class Qwen2(nn.Module):
 # (`_scan_layers`); JSPEC_SCAN_LAYERS=0 unrolls them as for every other
 # layout (to compare the two; read once, it is part of `program_store` keys).
 SCAN_LAYERS = os.environ.get("JSPEC_SCAN_LAYERS", "1") != "0"
+# Whether that loop attends with jspec's CPU kernel over the caches in place
+# (`jspec.cpu_attention`); JSPEC_FUSED_ATTENTION=0 keeps XLA's attention on
+# a copy of each layer's slice (to compare the two; read once, like
+# SCAN_LAYERS).
+FUSED_ATTENTION = os.environ.get("JSPEC_FUSED_ATTENTION", "1") != "0"
+# Up to this many new tokens per forward: decode steps, verifies and the
+# draft's catch-up. The kernel's one query at a time loses to XLA's batched
+# dots on long chunks: on the 1.5B's shapes a forward took 0.93x XLA's time
+# at 1 token, 0.96x at 17, 1.02x at 64 and 1.05x at a 320-token prefill
+# (by hand, 512 slots).
+FUSED_MAX_T = 48
 _PICKED = ("panels", "qpanels")  # the per-layer weights the kernels pick by index
 
 
@@ -395,8 +425,10 @@ def _scan_layers(cfg: config_lib.Qwen2Config, dtype, layers: list, x, positions,
   The kernels' weights stay per layer and each step picks its layer's
   (`cpu_kernels.LayerPick`); the small params (norms, biases, scales) are
   stacked, a few KB per layer. The caches are only read in the loop: each
-  step attends over its own layer's slice with the new chunk written in,
-  and the chunks of every layer go into the caches once, after the loop.
+  step attends over its own layer's slots, in place with jspec's CPU
+  attention kernel (`FUSED_ATTENTION`), else over a copy of its layer's
+  slice with the new chunk written in; the chunks of every layer go into
+  the caches once, after the loop.
   Carried through the loop and written each step, they made decode about
   1.2x slower on the real pair, as a copy of the caches per layer would.
 
@@ -422,6 +454,13 @@ def _scan_layers(cfg: config_lib.Qwen2Config, dtype, layers: list, x, positions,
   def chunk(buf):  # [1, B, S, K, H] -> [B, T, K, H] the slots each row just wrote
     return jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, t, axis=0))(buf[0], starts)
 
+  def fused_body(x, i):  # the attention kernel reads layer i's slots where they lie
+    leaves = [cpu_kernels.LayerPick(c, i) if big else c[i] for c, big in zip(columns, picked)]
+    params = jax.tree_util.tree_unflatten(treedef, leaves)
+    x, new_k, new_v = DecoderBlock(cfg, dtype, 0, fused=True, parent=None).apply(
+        {"params": params}, x, positions, k_buf, v_buf, starts, i)
+    return x, (new_k, new_v)
+
   def body(x, i):
     leaves = [cpu_kernels.LayerPick(c, i) if big else c[i] for c, big in zip(columns, picked)]
     params = jax.tree_util.tree_unflatten(treedef, leaves)
@@ -431,7 +470,9 @@ def _scan_layers(cfg: config_lib.Qwen2Config, dtype, layers: list, x, positions,
         {"params": params}, x, positions, k_layer, v_layer, starts)
     return x, (chunk(k_layer), chunk(v_layer))
 
-  x, (new_k, new_v) = jax.lax.scan(body, x, jnp.arange(len(layers), dtype=jnp.int32))
+  fused = FUSED_ATTENTION and t <= FUSED_MAX_T and cpu_attention.usable(x, k_buf)
+  x, (new_k, new_v) = jax.lax.scan(fused_body if fused else body, x,
+                                   jnp.arange(len(layers), dtype=jnp.int32))
   # new_k, new_v: [L, B, T, K, H]
   return x, cache_lib.write_chunks(k_buf, new_k, starts), cache_lib.write_chunks(v_buf, new_v, starts)
 

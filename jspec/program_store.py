@@ -95,7 +95,7 @@ def source_digest() -> str:
   for name in ("jax", "jaxlib", "flax"):
     h.update(f"{name}={importlib.metadata.version(name)}\n".encode())
   package = pathlib.Path(__file__).resolve().parent
-  for path in sorted([*package.glob("*.py"), *package.glob("*.cc")]):
+  for path in sorted([*package.glob("*.py"), *package.glob("*.cc"), *package.glob("*.h")]):
     h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
   return h.hexdigest()
 
@@ -133,6 +133,7 @@ def program_key(name: str, args: Sequence[Any], static: dict) -> str:
     # can move to a machine without AVX-512, whose library lacks VNNI's).
     parts.append(f"cpu_kernels={cpu_kernels.available()},{cpu_kernels.int8_kind()}")
     parts.append(f"scan_layers={model.SCAN_LAYERS}")  # JSPEC_SCAN_LAYERS
+    parts.append(f"fused_attention={model.FUSED_ATTENTION}")  # JSPEC_FUSED_ATTENTION
   return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:40]
 
 

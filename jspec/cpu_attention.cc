@@ -1,0 +1,173 @@
+// Decode attention over a read-only KV cache, as an XLA FFI custom call.
+//
+//   jspec_attend_f32(q [B, T, N, H], k_new [B, T, K, H], v_new [B, T, K, H],
+//                    starts [B] s32, layer [] s32,
+//                    k_cache [L, B, S, K, H], v_cache [L, B, S, K, H]) -> out [B, T, N, H]
+//
+// Query t of row b (position starts[b] + t) attends to cache slots
+// [0, starts[b]) of layer `layer` and to new tokens [0, t] of its own chunk,
+// grouped-query: query head n reads kv head n / (N / K). That is what
+// `jspec.model.Attention` computes after writing the chunk into the cache,
+// without the write. Why this exists: inside the loop over layers XLA
+// copied each layer's keys and values out of the stacked cache, and
+// transposed them, for its dots, at about 0.9 us per slot and layer
+// (README "Design measurements"): 8% of a decode step at 512 slots,
+// growing with the context. Here each key and value row is read in place.
+//
+// Each query's scores, softmax and weighted sum run over its visible slots
+// in slot order, cached ones first, with one code path whichever side a slot
+// is on: a position's output is bit for bit the same whether its earlier
+// tokens came in the same chunk or are already cached (a verify and the
+// decode steps it stands for agree exactly).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+#include "cpu_threads.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+typedef float Vec __attribute__((vector_size(4 * kLanes)));
+typedef float VecU __attribute__((vector_size(4 * kLanes), aligned(4)));  // unaligned load
+
+inline Vec Load(const float* p) { return *reinterpret_cast<const VecU*>(p); }
+inline void Store(float* p, Vec v) { *reinterpret_cast<VecU*>(p) = v; }
+
+// sum_h a[h] * b[h] for h in [0, size): lanes first, then their sum in lane
+// order, then the tail; the same order for every call of one size.
+inline float Dot(const float* a, const float* b, int64_t size) {
+  Vec acc = Vec{};
+  int64_t h = 0;
+  for (; h + kLanes <= size; h += kLanes) acc += Load(a + h) * Load(b + h);
+  float sum = 0.0f;
+  for (int64_t i = 0; i < kLanes; ++i) sum += acc[i];
+  for (; h < size; ++h) sum += a[h] * b[h];
+  return sum;
+}
+
+// out[h] += p * v[h] for h in [0, size).
+inline void Axpy(float p, const float* v, float* out, int64_t size) {
+  int64_t h = 0;
+  for (; h + kLanes <= size; h += kLanes) Store(out + h, Load(out + h) + p * Load(v + h));
+  for (; h < size; ++h) out[h] += p * v[h];
+}
+
+template <typename A, typename B>
+bool Same(const A& a, const B& b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+}
+
+struct Shapes {
+  int64_t b, t, n, k, h, layers, slots, group;
+};
+
+// Every query of row `row` on kv head `kv_head`: the G query heads that
+// share it, for each of the T new tokens.
+void AttendHead(const Shapes& s, int64_t row, int64_t kv_head, int64_t layer, int64_t start,
+                const float* q, const float* k_new, const float* v_new, const float* k_cache,
+                const float* v_cache, float* out) {
+  const int64_t cached = std::clamp<int64_t>(start, 0, s.slots);
+  const int64_t kv_stride = s.k * s.h;  // floats from one slot (or new token) to the next
+  const float* k_rows = k_cache + ((layer * s.b + row) * s.slots) * kv_stride + kv_head * s.h;
+  const float* v_rows = v_cache + ((layer * s.b + row) * s.slots) * kv_stride + kv_head * s.h;
+  const float* k_chunk = k_new + row * s.t * kv_stride + kv_head * s.h;
+  const float* v_chunk = v_new + row * s.t * kv_stride + kv_head * s.h;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(s.h));
+  std::vector<float> scores(s.group * (cached + s.t));  // [G, visible]
+  std::vector<float> acc(s.group * s.h);  // [G, H]
+  for (int64_t t = 0; t < s.t; ++t) {
+    const int64_t visible = cached + t + 1;
+    const float* queries = q + ((row * s.t + t) * s.n + kv_head * s.group) * s.h;  // [G, H]
+    for (int64_t j = 0; j < visible; ++j) {
+      const float* key = j < cached ? k_rows + j * kv_stride : k_chunk + (j - cached) * kv_stride;
+      for (int64_t g = 0; g < s.group; ++g) {
+        scores[g * visible + j] = Dot(queries + g * s.h, key, s.h) * scale;
+      }
+    }
+    for (int64_t g = 0; g < s.group; ++g) {
+      float* row_scores = scores.data() + g * visible;
+      const float top = *std::max_element(row_scores, row_scores + visible);
+      float total = 0.0f;
+      for (int64_t j = 0; j < visible; ++j) {
+        row_scores[j] = std::exp(row_scores[j] - top);
+        total += row_scores[j];
+      }
+      const float inv = 1.0f / total;
+      for (int64_t j = 0; j < visible; ++j) row_scores[j] *= inv;
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t j = 0; j < visible; ++j) {
+      const float* value = j < cached ? v_rows + j * kv_stride : v_chunk + (j - cached) * kv_stride;
+      for (int64_t g = 0; g < s.group; ++g) {
+        Axpy(scores[g * visible + j], value, acc.data() + g * s.h, s.h);
+      }
+    }
+    std::copy(acc.begin(), acc.end(), out + ((row * s.t + t) * s.n + kv_head * s.group) * s.h);
+  }
+}
+
+using Queries = ffi::Buffer<ffi::F32, 4>;  // aliases: the handler macro splits on commas
+using Cache = ffi::Buffer<ffi::F32, 5>;
+using Starts = ffi::Buffer<ffi::S32, 1>;
+using LayerIndex = ffi::Buffer<ffi::S32, 0>;
+
+ffi::Error AttendF32(ffi::ThreadPool pool, Queries q, Queries k_new, Queries v_new, Starts starts,
+                     LayerIndex layer, Cache k_cache, Cache v_cache, ffi::Result<Queries> out) {
+  const auto qd = q.dimensions();
+  const auto kd = k_new.dimensions();
+  const auto cd = k_cache.dimensions();
+  Shapes s{qd[0], qd[1], qd[2], kd[2], qd[3], cd[0], cd[2], 0};
+  const bool ok = s.k > 0 && s.n % s.k == 0 && kd[0] == s.b && kd[1] == s.t && kd[3] == s.h &&
+                  Same(v_new.dimensions(), kd) && cd[1] == s.b && cd[3] == s.k && cd[4] == s.h &&
+                  Same(v_cache.dimensions(), cd) && starts.dimensions()[0] == s.b &&
+                  Same(out->dimensions(), qd);
+  if (!ok) {
+    return ffi::Error::InvalidArgument(
+        "jspec_attend_f32: expected q [B, T, N, H], k_new and v_new [B, T, K, H] with K "
+        "dividing N, starts [B], and caches [L, B, S, K, H]");
+  }
+  const int64_t index = *layer.typed_data();
+  if (index < 0 || index >= s.layers) {
+    return ffi::Error::InvalidArgument("jspec_attend_f32: layer " + std::to_string(index) +
+                                       " outside [0, " + std::to_string(s.layers) + ")");
+  }
+  s.group = s.n / s.k;
+  const int32_t* start = starts.typed_data();
+  const float* qp = q.typed_data();
+  const float* knp = k_new.typed_data();
+  const float* vnp = v_new.typed_data();
+  const float* kcp = k_cache.typed_data();
+  const float* vcp = v_cache.typed_data();
+  float* op = out->typed_data();
+  // One task per (row, kv head): each writes its own query heads' outputs.
+  jspec_cpu::ForEachPanel(pool, s.b * s.k, [=](int64_t task) {
+    const int64_t row = task / s.k;
+    AttendHead(s, row, task % s.k, index, start[row], qp, knp, vnp, kcp, vcp, op);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecAttendF32, AttendF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Queries>()
+                                  .Arg<Queries>()
+                                  .Arg<Queries>()
+                                  .Arg<Starts>()
+                                  .Arg<LayerIndex>()
+                                  .Arg<Cache>()
+                                  .Arg<Cache>()
+                                  .Ret<Queries>());
