@@ -154,6 +154,9 @@ def test_packed_layers_run_as_one_loop_with_the_unrolled_results(int8, monkeypat
     more, cache = model.forward(params, cfg, second, cache)
     return logits, more, cache
 
+  # XLA's attention in both, so fp32 can be compared bit for bit: the loop's
+  # own attention kernel is checked against it in test_cpu_attention.
+  monkeypatch.setattr(model, "FUSED_ATTENTION", False)
   results = {}
   for scan in (False, True):
     monkeypatch.setattr(model, "SCAN_LAYERS", scan)

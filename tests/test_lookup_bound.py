@@ -1,0 +1,58 @@
+"""bench.lookup_bound: the replay drafts what the engine's prompt lookup drafts, and bounds the gain."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bench import lookup_bound
+from jspec import drafters
+
+
+@pytest.mark.parametrize("ngram", [1, 2, 3])
+def test_the_replay_drafts_what_the_engine_drafts(ngram):
+  # Few distinct tokens, so that matches are common, several per sequence,
+  # and some sequences have none.
+  rng = np.random.RandomState(ngram)
+  width, gamma = 40, 5
+  for _ in range(30):
+    n = rng.randint(1, width)
+    tokens = rng.randint(0, 4, size=width)
+    drafts, _, count = drafters.prompt_lookup(jnp.asarray(tokens[None], jnp.int32),
+                                              jnp.array([n], jnp.int32), jnp.array([gamma]),
+                                              gamma, ngram, vocab=4)
+    want = list(np.asarray(drafts)[0, :int(count[0])])
+    assert lookup_bound.lookup(list(tokens[:n]), ngram, gamma) == want
+
+
+def test_replay_counts_rounds_and_the_bound_follows():
+  # Prompt 1 2 3 4 5; the output copies "3 4 5" after "1 2", then 7 is new.
+  prompt, output = [1, 2, 3, 4, 5, 1, 2], [3, 4, 5, 7]
+  # Round 1: after "1 2 3" (n = 2: "2 3" occurred) drafts 4 5 1 2; 4 5 accepted, 7 emitted.
+  assert lookup_bound.replay(prompt, output, 2, 16) == {"rounds": 1, "empty_rounds": 0,
+                                                        "accepted": 2}
+  # With n = 4 "5 1 2 3" matches nothing: 4 alone; then "1 2 3 4" drafts 5 1 ..., 5 accepted.
+  assert lookup_bound.replay(prompt, output, 4, 16) == {"rounds": 2, "empty_rounds": 1,
+                                                        "accepted": 1}
+  results = {"prompts": {"p": {"prompt_ids": prompt, "modes": {"target": {
+      "token_ids": output, "new_tokens": 4, "prefill_s": 1.0, "decode_s": 3.0}}}}}
+  out = lookup_bound.bounds(results)["p"]
+  assert out["step_s"] == pytest.approx(1.0)
+  assert out["ngram"][2]["bound"] == pytest.approx(4.0 / 2.0)  # (1 + 3) / (1 + 1 round)
+  assert out["ngram"][4]["bound"] == pytest.approx(4.0 / 3.0)
+  with pytest.raises(ValueError, match="not in the results"):
+    lookup_bound.bounds(results, ["q"])
+
+
+def test_main_reads_a_results_file(tmp_path, capsys):
+  path = tmp_path / "r.json"
+  path.write_text(json.dumps({"prompts": {"p": {"prompt_ids": [1, 2, 1], "modes": {"target": {
+      "token_ids": [2, 1, 2], "new_tokens": 3, "prefill_s": 1.0, "decode_s": 2.0}}}}}))
+  out = lookup_bound.main([str(path)])
+  assert out["p"]["ngram"][1]["rounds"] == 1  # "2" -> drafts 1 2; both accepted
+  assert "at most" in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    lookup_bound.main([str(tmp_path / "missing.json")])
