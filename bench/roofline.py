@@ -1,6 +1,6 @@
 """How close a target-only step is to the memory roof, and where the rest goes.
 
-    python -m bench.roofline [--reps 12] [--gib 1]
+    python -m bench.roofline [--reps 12] [--gib 1] [--slots 512] [--filled 200]
 
 The bench's roofline fraction divides a decode's median weight-read rate by
 the best of several reads of 1 GiB (`bench.memory`). This tool times, in
@@ -9,8 +9,10 @@ all alike:
 
   forward   one T=1 step of the 1.5B target (random weights of the real
             shapes, fp32, packed for jspec's CPU kernel as `generate` holds
-            them on CPU; the layers as one loop), on a cache of 512 slots
-            holding 200 tokens;
+            them on CPU; the layers as one loop), on a cache of --slots
+            slots holding --filled tokens;
+  forward_xla_attention  the same step with XLA's attention in the loop
+            instead of jspec's attention kernel (JSPEC_FUSED_ATTENTION=0);
   products  only that step's matrix products (each layer's q, k, v, o,
             gate, up and down, then the head), chained as in the forward;
   xla_matvec  XLA's matrix-vector product over --gib GiB stored [rows, K]
@@ -18,10 +20,10 @@ all alike:
   kernel_matvec  jspec's kernel over the same bytes, stored as panels.
 
 It prints each one's median and best ms and GB/s (weight bytes over time),
-then the forward's median against the XLA matvec's median and best. The
-gap between forward and products is the rest of a step (attention, norms,
-the loop); the gap between the kernel and XLA on one big matrix is the
-kernel's own.
+then the forward's median against the XLA matvec's median and best, and
+against the forward with XLA's attention. The gap between forward and
+products is the rest of a step (attention, norms, the loop); the gap
+between the kernel and XLA on one big matrix is the kernel's own.
 """
 
 from __future__ import annotations
@@ -61,13 +63,25 @@ def _products(cfg):
   return jax.jit(run)
 
 
-def _cases(cfg, gib: float) -> tuple[dict, dict]:
+def _forward(cfg, params, token, cache, fused: bool):
+  """One T=1 forward compiled with or without jspec's attention kernel (read at trace time)."""
+  saved = model.FUSED_ATTENTION
+  model.FUSED_ATTENTION = fused
+  try:
+    return jax.jit(lambda p, x, c: model.forward(p, cfg, x, c)[0]).lower(
+        params, token, cache).compile()
+  finally:
+    model.FUSED_ATTENTION = saved
+
+
+def _cases(cfg, gib: float, slots: int, filled: int) -> tuple[dict, dict]:
   """{name: zero-argument timed call} and {name: weight bytes it reads}."""
   params = layout.convert(model.init_params(cfg, jax.random.key(0)), "packed")
   weight_bytes = memory.forward_bytes(params, cfg.tie_word_embeddings)  # what `bench` counts
-  cache = cache_lib.with_lengths(cache_lib.init(cfg, 1, 512), jnp.array([200], jnp.int32))
-  forward = jax.jit(lambda p, x, c: model.forward(p, cfg, x, c)[0])
+  cache = cache_lib.with_lengths(cache_lib.init(cfg, 1, slots), jnp.array([filled], jnp.int32))
   token = jnp.ones((1, 1), jnp.int32)
+  forward = _forward(cfg, params, token, cache, fused=True)
+  forward_xla = _forward(cfg, params, token, cache, fused=False)
   products = _products(cfg)
   x = jnp.ones((1, cfg.hidden_size), jnp.float32)
 
@@ -81,11 +95,12 @@ def _cases(cfg, gib: float) -> tuple[dict, dict]:
   kernel = jax.jit(cpu_kernels.matmul)
   cases = {
       "forward": lambda: forward(params, token, cache),
+      "forward_xla_attention": lambda: forward_xla(params, token, cache),
       "products": lambda: products(params, x),
       "xla_matvec": lambda: matvec(rows, vector),
       "kernel_matvec": lambda: kernel(row, panels),
   }
-  sizes = {"forward": weight_bytes, "products": weight_bytes, "xla_matvec": rows.nbytes,
+  sizes = {"forward": weight_bytes, "forward_xla_attention": weight_bytes, "products": weight_bytes, "xla_matvec": rows.nbytes,
            "kernel_matvec": panels.nbytes}
   return cases, sizes
 
@@ -98,18 +113,24 @@ def main(argv=None) -> dict:
 
   Returns:
     {name: {"median_ms", "best_ms", "median_gbs", "best_gbs"}, "forward_vs_matvec":
-    {"median", "best"}}.
+    {"median", "best"}, "forward_vs_xla_attention": the forward's median time over
+    forward_xla_attention's}.
   """
   parser = argparse.ArgumentParser(prog="python -m bench.roofline", description=__doc__)
   parser.add_argument("--reps", type=int, default=12, help="timed calls of each (default 12)")
   parser.add_argument("--gib", type=float, default=1.0,
                       help="size of the matrix-vector products' matrix in GiB (default 1)")
+  parser.add_argument("--slots", type=int, default=512, help="KV cache slots (default 512)")
+  parser.add_argument("--filled", type=int, default=200,
+                      help="tokens already in the cache (default 200; fewer than --slots)")
   args = parser.parse_args(argv)
   if args.reps < 1 or not args.gib > 0:
     parser.error(f"--reps {args.reps} --gib {args.gib}: expected at least 1 rep and a size above 0")
+  if not 0 <= args.filled < args.slots:
+    parser.error(f"--slots {args.slots} --filled {args.filled}: expected 0 <= filled < slots")
   if not cpu_kernels.available():
     raise SystemExit(f"jspec's CPU kernel is unavailable here: {cpu_kernels.unavailable_reason()}")
-  cases, sizes = _cases(shapes.QWEN25_CODER_1_5B, args.gib)
+  cases, sizes = _cases(shapes.QWEN25_CODER_1_5B, args.gib, args.slots, args.filled)
   for call in cases.values():
     jax.block_until_ready(call())  # compile and touch every page first
   times = {name: [] for name in cases}
@@ -124,13 +145,15 @@ def main(argv=None) -> dict:
     med, best = float(np.median(ts)), float(np.min(ts))
     out[name] = {"median_ms": 1e3 * med, "best_ms": 1e3 * best,
                  "median_gbs": sizes[name] / med / 1e9, "best_gbs": sizes[name] / best / 1e9}
-    print(f"{name:14s} median {1e3 * med:8.2f} ms {out[name]['median_gbs']:6.1f} GB/s   "
+    print(f"{name:21s} median {1e3 * med:8.2f} ms {out[name]['median_gbs']:6.1f} GB/s   "
           f"best {1e3 * best:8.2f} ms {out[name]['best_gbs']:6.1f} GB/s", flush=True)
   out["forward_vs_matvec"] = {
       "median": out["forward"]["median_gbs"] / out["xla_matvec"]["median_gbs"],
       "best": out["forward"]["median_gbs"] / out["xla_matvec"]["best_gbs"]}
+  out["forward_vs_xla_attention"] = out["forward"]["median_ms"] / out["forward_xla_attention"]["median_ms"]
   print(f"forward's median GB/s over XLA matvec's median {out['forward_vs_matvec']['median']:.0%}, "
-        f"over its best (the bench's roof) {out['forward_vs_matvec']['best']:.0%}", flush=True)
+        f"over its best (the bench's roof) {out['forward_vs_matvec']['best']:.0%}; its median time "
+        f"over the forward with XLA's attention {out['forward_vs_xla_attention']:.3f}", flush=True)
   print(json.dumps(out))
   return out
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import jspec
@@ -23,7 +25,10 @@ from bench import results
 from bench import roofline
 from bench import shapes
 from jspec import api
+from jspec import cache as cache_lib
 from jspec import cpu_kernels
+from jspec import layout
+from jspec import model as jspec_model
 
 # Few settings, so the programs compile once and the whole file stays short.
 SMOKE = ["--smoke", "--gammas", "2", "--bandwidth-bytes", str(16 << 20)]
@@ -261,7 +266,7 @@ def test_roofline_times_a_forward_its_products_and_both_matvecs(monkeypatch, cap
     pytest.skip(f"kernel unavailable: {cpu_kernels.unavailable_reason()}")
   monkeypatch.setattr(shapes, "QWEN25_CODER_1_5B", tiny.PACKABLE_TARGET)
   out = roofline.main(["--reps", "2", "--gib", str(1 / 1024)])
-  for name in ("forward", "products", "xla_matvec", "kernel_matvec"):
+  for name in ("forward", "forward_xla_attention", "products", "xla_matvec", "kernel_matvec"):
     assert 0 < out[name]["best_ms"] <= out[name]["median_ms"]
     assert out[name]["best_gbs"] >= out[name]["median_gbs"] > 0
   # Both count the same weight bytes: the forward's rate is the products' at its own time.
@@ -269,9 +274,23 @@ def test_roofline_times_a_forward_its_products_and_both_matvecs(monkeypatch, cap
   assert forward["median_gbs"] * forward["median_ms"] == pytest.approx(
       products["median_gbs"] * products["median_ms"])
   assert out["forward_vs_matvec"]["median"] >= out["forward_vs_matvec"]["best"]
+  assert out["forward_vs_xla_attention"] > 0
   assert "over its best (the bench's roof)" in capsys.readouterr().out
 
 
-def test_roofline_refuses_no_reps():
+def test_roofline_compiles_one_forward_with_the_attention_kernel_and_one_without():
+  if not cpu_kernels.available():
+    pytest.skip(f"kernel unavailable: {cpu_kernels.unavailable_reason()}")
+  cfg = tiny.PACKABLE_TARGET
+  params = layout.convert(jspec_model.init_params(cfg, jax.random.key(0)), "packed")
+  cache = cache_lib.init(cfg, 1, 8)
+  token = jnp.ones((1, 1), jnp.int32)
+  for fused in (True, False):
+    text = roofline._forward(cfg, params, token, cache, fused).as_text()
+    assert (cpu_kernels.TARGET_ATTEND in text) == fused
+
+
+@pytest.mark.parametrize("args", [["--reps", "0"], ["--slots", "8", "--filled", "8"]])
+def test_roofline_refuses_bad_settings(args):
   with pytest.raises(SystemExit):
-    roofline.main(["--reps", "0"])
+    roofline.main(args)
