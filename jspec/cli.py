@@ -26,9 +26,11 @@ from typing import Any, Optional, Sequence
 import jax
 
 from jspec import api
+from jspec import cpu_kernels
 from jspec import decode
 from jspec import fetch
 from jspec import loading
+from jspec import model
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -256,6 +258,13 @@ def _generate(args) -> int:
   return 0
 
 
+def _cpu_kernels() -> dict[str, Any]:
+  """Which of jspec's CPU kernels this host runs (on a CPU backend), and the switches."""
+  return {"built": cpu_kernels.available(), "reason": cpu_kernels.unavailable_reason(),
+          "int8": cpu_kernels.int8_kind(), "layer_loop": model.SCAN_LAYERS,
+          "attention": cpu_kernels.available() and model.FUSED_ATTENTION}
+
+
 def _info(args) -> int:
   cache = fetch.cache_dir()
   rows = fetch.status(cache)
@@ -264,12 +273,19 @@ def _info(args) -> int:
                         if loading.converted_path(row["path"], d).is_file()}
   devices = [str(d) for d in jax.devices()]
   pairs = {name: {"target": t, "draft": d} for name, (t, d) in fetch.PAIRS.items()}
+  kernels = _cpu_kernels() if jax.default_backend() == "cpu" else None
   if args.json:
     print(json.dumps({"jax": jax.__version__, "backend": jax.default_backend(),
                       "devices": devices, "cache_dir": str(cache), "pairs": pairs,
-                      "models": rows}))
+                      "models": rows, "cpu_kernels": kernels}))
     return 0
   print(f"jax {jax.__version__}, backend {jax.default_backend()}: {', '.join(devices)}")
+  if kernels and kernels["built"]:
+    print(f"cpu kernels: built (int8: {kernels['int8'] or 'XLA'}); layer loop "
+          f"{'on' if kernels['layer_loop'] else 'off (JSPEC_SCAN_LAYERS=0)'}, attention kernel "
+          f"{'on' if kernels['attention'] else 'off (JSPEC_FUSED_ATTENTION=0)'}")
+  elif kernels:
+    print(f"cpu kernels: not built ({kernels['reason']}); XLA's dot and attention instead")
   moved = os.environ.get("JSPEC_CACHE")
   print(f"cache: {cache}" + ("" if moved else "  (set JSPEC_CACHE to move it)"))
   for name, pair in pairs.items():

@@ -18,8 +18,10 @@ import jspec
 import test_load
 from jspec import api
 from jspec import cli
+from jspec import cpu_kernels
 from jspec import fetch
 from jspec import loading
+from jspec import model as jspec_model
 from jspec import tokenizer as tokenizer_lib
 
 PROMPT = test_load.PROMPT
@@ -343,6 +345,20 @@ def test_info_text_and_json(capsys, monkeypatch, tmp_path):
   assert got["cache_dir"] == str(tmp_path) and got["devices"]
   (row,) = got["models"]
   assert not row["installed"] and list(row["converted"]) == ["float32"]
+  kernels = got["cpu_kernels"]
+  assert kernels["built"] == cpu_kernels.available() and kernels["attention"] == kernels["built"]
+
+
+def test_info_says_which_cpu_kernels_run(capsys, monkeypatch):
+  if not cpu_kernels.available():
+    pytest.skip(f"kernels unavailable: {cpu_kernels.unavailable_reason()}")
+  code, out, _ = _run(capsys, ["info"])
+  assert code == 0 and re.search(r"cpu kernels: built .*layer loop on, attention kernel on", out)
+  monkeypatch.setattr(jspec_model, "FUSED_ATTENTION", False)
+  code, out, _ = _run(capsys, ["info"])
+  assert "attention kernel off (JSPEC_FUSED_ATTENTION=0)" in out
+  code, out, _ = _run(capsys, ["info", "--json"])
+  assert json.loads(out)["cpu_kernels"]["attention"] is False
 
 
 def test_convert_delegates(capsys, pair, tmp_path):
