@@ -86,8 +86,8 @@ def bounds(results: dict, prompts: Sequence[str] = (), gamma: int | None = None)
     gamma: most drafts a round (None: the run's prompt_lookup gamma, else 16).
 
   Returns:
-    {prompt: {"prefill_s", "step_s", "measured": {"rounds", "speedup"} or None,
-    "ngram": {n: replay + {"bound"}}}}.
+    {prompt: {"prefill_s", "step_s", "gamma", "measured": {"ngram", "rounds", "speedup"}
+    or None, "ngram": {n: replay + {"bound"}}}}.
 
   Raises:
     ValueError: a prompt the results do not hold, or a prompt without a target run.

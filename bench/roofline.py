@@ -100,8 +100,8 @@ def _cases(cfg, gib: float, slots: int, filled: int) -> tuple[dict, dict]:
       "xla_matvec": lambda: matvec(rows, vector),
       "kernel_matvec": lambda: kernel(row, panels),
   }
-  sizes = {"forward": weight_bytes, "forward_xla_attention": weight_bytes, "products": weight_bytes, "xla_matvec": rows.nbytes,
-           "kernel_matvec": panels.nbytes}
+  sizes = {"forward": weight_bytes, "forward_xla_attention": weight_bytes,
+           "products": weight_bytes, "xla_matvec": rows.nbytes, "kernel_matvec": panels.nbytes}
   return cases, sizes
 
 

@@ -259,10 +259,14 @@ def _generate(args) -> int:
 
 
 def _cpu_kernels() -> dict[str, Any]:
-  """Which of jspec's CPU kernels this host runs (on a CPU backend), and the switches."""
-  return {"built": cpu_kernels.available(), "reason": cpu_kernels.unavailable_reason(),
-          "int8": cpu_kernels.int8_kind(), "layer_loop": model.SCAN_LAYERS,
-          "attention": cpu_kernels.available() and model.FUSED_ATTENTION}
+  """Which of jspec's CPU kernels this host runs (on a CPU backend), and the switches.
+
+  The attention kernel runs only inside the layer loop (`model._scan_layers`).
+  """
+  built = cpu_kernels.available()
+  return {"built": built, "reason": cpu_kernels.unavailable_reason(),
+          "int8": cpu_kernels.int8_kind(), "layer_loop": built and model.SCAN_LAYERS,
+          "attention": built and model.SCAN_LAYERS and model.FUSED_ATTENTION}
 
 
 def _info(args) -> int:
@@ -283,7 +287,7 @@ def _info(args) -> int:
   if kernels and kernels["built"]:
     print(f"cpu kernels: built (int8: {kernels['int8'] or 'XLA'}); layer loop "
           f"{'on' if kernels['layer_loop'] else 'off (JSPEC_SCAN_LAYERS=0)'}, attention kernel "
-          f"{'on' if kernels['attention'] else 'off (JSPEC_FUSED_ATTENTION=0)'}")
+          f"{'on' if kernels['attention'] else 'off (JSPEC_FUSED_ATTENTION=0 or the loop off)'}")
   elif kernels:
     print(f"cpu kernels: not built ({kernels['reason']}); XLA's dot and attention instead")
   moved = os.environ.get("JSPEC_CACHE")

@@ -51,7 +51,8 @@ LAYER_TARGETS = {t: t + "_layer" for t in (TARGET, TARGET_INT8, TARGET_S8)}
 TARGET_ATTEND = "jspec_attend_f32"  # decode attention over the cache (`jspec.cpu_attention`)
 TARGETS = (TARGET, TARGET_INT8, TARGET_S8, *LAYER_TARGETS.values(), TARGET_ATTEND)
 SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
-# Built into the same library: the attention kernel and the thread helpers both include.
+# The attention kernel, built into the same library; both sources include the
+# thread helpers of HEADERS.
 OTHER_SOURCES = (pathlib.Path(__file__).with_name("cpu_attention.cc"),)
 HEADERS = (pathlib.Path(__file__).with_name("cpu_threads.h"),)
 _SYMBOLS = {TARGET: "JspecGemmF32", TARGET_INT8: "JspecGemmI8", TARGET_S8: "JspecGemmS8",
@@ -390,7 +391,8 @@ def build(source: pathlib.Path = SOURCE) -> pathlib.Path:
                + [str(path) for path in sources] + ["-o", tmp])
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
-      raise RuntimeError(f"compiling {', '.join(path.name for path in sources)} failed ({shlex.join(command)}): "
+      names = ", ".join(path.name for path in sources)
+      raise RuntimeError(f"compiling {names} failed ({shlex.join(command)}): "
                          f"{(done.stderr or done.stdout)[-2000:]}")
     os.replace(tmp, path)  # atomic: another process sees all of it or none
   finally:

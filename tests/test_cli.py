@@ -356,9 +356,15 @@ def test_info_says_which_cpu_kernels_run(capsys, monkeypatch):
   assert code == 0 and re.search(r"cpu kernels: built .*layer loop on, attention kernel on", out)
   monkeypatch.setattr(jspec_model, "FUSED_ATTENTION", False)
   code, out, _ = _run(capsys, ["info"])
-  assert "attention kernel off (JSPEC_FUSED_ATTENTION=0)" in out
+  assert "attention kernel off (JSPEC_FUSED_ATTENTION=0 or the loop off)" in out
   code, out, _ = _run(capsys, ["info", "--json"])
   assert json.loads(out)["cpu_kernels"]["attention"] is False
+  # The kernel attends only inside the layer loop: with the loop off, so is it.
+  monkeypatch.setattr(jspec_model, "FUSED_ATTENTION", True)
+  monkeypatch.setattr(jspec_model, "SCAN_LAYERS", False)
+  code, out, _ = _run(capsys, ["info", "--json"])
+  assert json.loads(out)["cpu_kernels"] == {**json.loads(out)["cpu_kernels"], "layer_loop": False,
+                                            "attention": False}
 
 
 def test_convert_delegates(capsys, pair, tmp_path):
