@@ -124,36 +124,34 @@ void Tile(const float* x, int64_t ldx, const float* panel, int64_t k_size, float
 // Two AVX2-only changes for more rows than one tile, which go over K block
 // by block (README "Design measurements", AVX2 rows):
 //
-// - From kWideMinRows rows (a prefill, a long verify), which are bound by
-//   the FMAs, a wide tile: kWideRows rows x kWideVecs vectors of columns.
-//   AVX2 has 16 registers: a whole 32-column panel fits only 3 rows (12
-//   accumulators), and GCC then takes every weight operand from memory: 15
-//   loads per 12 FMAs, more than Zen 3's two 256-bit loads a cycle. Half a
-//   panel x 6 rows is 12 accumulators, 2 weight registers and a broadcast:
-//   8 loads per 12 FMAs. Under 48 rows the whole-panel tile was as fast
-//   or faster on the 1.5B's matrices (`python -m bench.kernel_ab`).
-// - Under kPrefetchRows rows (a verify) the block after the current one is
-//   prefetched into L2 while the passes over the current one run:
-//   otherwise only the first pass reads memory, one stream per core, and
-//   the FMAs of the later passes do not overlap with it. With more rows
-//   (more passes, each longer) the prefetch made them slower. Its 2 x kc
-//   lines go a line a k over the first two passes, or, from four passes
-//   (10 rows), a line every other k over the first four: requests spread
-//   over more of the block's FMAs. That took 0.88x and 0.85x the time at
-//   12 and 17 rows (a 17-wide verify), the same at 5, 9 and 23.
+// - A wide tile: kWideRows rows x kWideVecs vectors of columns. AVX2 has 16
+//   registers: a whole 32-column panel fits only 3 rows (12 accumulators),
+//   and GCC then takes every weight operand from memory: 15 loads per 12
+//   FMAs, more than Zen 3's two 256-bit loads a cycle. Half a panel x 6
+//   rows is 12 accumulators, 2 weight registers and a broadcast: 8 loads
+//   per 12 FMAs.
+// - The block after the current one is prefetched into L2 while the passes
+//   over the current one run: otherwise only the first pass reads memory,
+//   one stream per core, and the FMAs of the later passes do not overlap
+//   with it. Its 2 x kc lines go one every `stride` k, spread over the
+//   first 2 x stride passes: over all of them, up to kMaxStride.
+//
+// Together they took 0.72-0.79x the time at 17 rows (a 17-wide verify),
+// 0.72-0.73x at 24 to 40, 0.85-0.90x at 64 and 0.92x at 9, and within 4%
+// at 1, 5, 128 and 320 (`python -m bench.kernel_ab`), against the whole-
+// panel tile under 48 rows with the prefetch over at most four passes.
+// Without the prefetch the wide tile was no faster under 48 rows.
 //
 // AVX-512 has room for its whole panel at 12 rows, and neither was
 // measured there: it keeps its tile, without the prefetch.
 #if defined(__AVX512F__)
-constexpr int64_t kWideMinRows = kRows + 1;
 constexpr int64_t kWideRows = kRows;
 constexpr int kWideVecs = kVecs;
-constexpr int64_t kPrefetchRows = 0;
+constexpr int kMaxStride = 0;  // no prefetch
 #else
-constexpr int64_t kWideMinRows = 48;
 constexpr int64_t kWideRows = 6;
 constexpr int kWideVecs = 2;
-constexpr int64_t kPrefetchRows = 24;
+constexpr int kMaxStride = 6;
 #endif
 constexpr int64_t kWideCols = kWideVecs * kLanes;
 
@@ -196,18 +194,20 @@ void RowTile(const float* x, const float* panel, int64_t panel_stride, int64_t k
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool,
                        const float*);
-// kTiles[r] is Tile<r> for r in [1, kRows], kTilesPF[r] and kTilesPF2[r] the
-// same with the prefetch of a line every k and every other k; kWideTiles[r]
-// is Tile<r, kWideVecs> for r in [1, kWideRows].
+// kTiles[r] is Tile<r> for r in [1, kRows]; kWideTiles[s][r] is
+// Tile<r, kWideVecs, s> for r in [1, kWideRows] and s in [0, kMaxStride]:
+// with s > 0 it prefetches a line every s k.
 template <int NV, int PF, int... R>
 constexpr std::array<TileFn, sizeof...(R) + 1> MakeTiles(std::integer_sequence<int, R...>) {
   return {nullptr, Tile<R + 1, NV, PF>...};
 }
+template <int... S>
+constexpr std::array<std::array<TileFn, kWideRows + 1>, sizeof...(S)> MakeWideTiles(
+    std::integer_sequence<int, S...>) {
+  return {MakeTiles<kWideVecs, S>(std::make_integer_sequence<int, kWideRows>{})...};
+}
 constexpr auto kTiles = MakeTiles<kVecs, 0>(std::make_integer_sequence<int, kRows>{});
-constexpr auto kTilesPF = MakeTiles<kVecs, 1>(std::make_integer_sequence<int, kRows>{});
-constexpr auto kTilesPF2 = MakeTiles<kVecs, 2>(std::make_integer_sequence<int, kRows>{});
-constexpr auto kWideTiles =
-    MakeTiles<kWideVecs, 0>(std::make_integer_sequence<int, kWideRows>{});
+constexpr auto kWideTiles = MakeWideTiles(std::make_integer_sequence<int, kMaxStride + 1>{});
 
 // y[m, 0:32] (int32) = sum_k xu[m, k] * panel[k / 4, 0:32, k % 4] for m in [0, MR):
 // unsigned 8-bit activations times signed 8-bit weights, four k at a time
@@ -360,14 +360,8 @@ ffi::Error GemmF32(ffi::ThreadPool pool, Matrix x, Panels w, ffi::Result<Matrix>
   }
   // More rows go block by block, each row tile over every column slice of
   // the block while its rows of x are in L1.
-  const bool wide = m_size >= kWideMinRows;
-  const bool prefetch = !wide && m_size < kPrefetchRows;
-  const TileFn* tiles = wide ? kWideTiles.data() : kTiles.data();
-  const int64_t tile_rows = wide ? kWideRows : kRows;
-  const int64_t tile_cols = wide ? kWideCols : kPanel;
-  const int64_t passes = (m_size + tile_rows - 1) / tile_rows * (kPanel / tile_cols);  // per block
-  const int64_t stride = passes >= 4 ? 2 : 1;  // k per prefetched line
-  const TileFn* tiles_pf = stride == 2 ? kTilesPF2.data() : kTilesPF.data();
+  const int64_t passes = (m_size + kWideRows - 1) / kWideRows * (kPanel / kWideCols);  // per block
+  const int64_t stride = std::min<int64_t>(kMaxStride, std::max<int64_t>(1, passes / 2));  // k per line
   ForEachPanel(pool, wd[0], [=](int64_t p) {
     const float* panel = wp + p * k_size * kPanel;
     for (int64_t k0 = 0; k0 < k_size; k0 += kBlockK) {
@@ -376,14 +370,14 @@ ffi::Error GemmF32(ffi::ThreadPool pool, Matrix x, Panels w, ffi::Result<Matrix>
       // its 2 * kc lines at most, a line per `stride` k of the first
       // 2 * stride passes (a prefetch past the end of w is a no-op).
       const float* next = panel + std::min(k0 + kBlockK, k_size) * kPanel;
+      const int64_t lines = stride > 0 ? (kc + stride - 1) / stride : 0;  // per pass
       int64_t pass = 0;
-      for (int64_t m0 = 0; m0 < m_size; m0 += tile_rows) {
-        const int64_t rows = std::min(tile_rows, m_size - m0);
-        for (int64_t c = 0; c < kPanel; c += tile_cols, ++pass) {
-          const TileFn tile = prefetch && pass < 2 * stride ? tiles_pf[rows] : tiles[rows];
+      for (int64_t m0 = 0; m0 < m_size; m0 += kWideRows) {
+        const int64_t rows = std::min(kWideRows, m_size - m0);
+        for (int64_t c = 0; c < kPanel; c += kWideCols, ++pass) {
+          const TileFn tile = kWideTiles[pass < 2 * stride ? stride : 0][rows];
           tile(xp + m0 * k_size + k0, k_size, panel + k0 * kPanel + c, kc,
-               yp + m0 * n_size + p * kPanel + c, n_size, k0 > 0,
-               next + pass * ((kc + stride - 1) / stride) * 16);
+               yp + m0 * n_size + p * kPanel + c, n_size, k0 > 0, next + pass * lines * 16);
         }
       }
     }

@@ -29,11 +29,11 @@ def test_kernel_builds_where_a_compiler_exists():
   assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 9, 12, 13, 17, 40, 50])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 12, 13, 17, 40, 50])
 @pytest.mark.parametrize("k,n", [(64, 32), (37, 96), (160, 320)])
 def test_matmul_matches_numpy(m, k, n):
-  # Row counts on both sides of the 12-row tile (AVX-512), of the 3-row one
-  # and the 6 x 16 tiles from 48 rows (AVX2); K odd; one and many panels.
+  # Row counts on both sides of the 12-row tile (AVX-512), and of the 3-row
+  # one and the 6 x 16 tiles from 4 rows (AVX2); K odd; one and many panels.
   x, w = _random((m, k), m), _random((k, n), k + n)
   y = jax.jit(cpu_kernels.matmul)(jnp.asarray(x), cpu_kernels.pack(jnp.asarray(w)))
   assert y.shape == (m, n) and y.dtype == jnp.float32
@@ -44,8 +44,8 @@ def test_matmul_matches_numpy(m, k, n):
 @pytest.mark.parametrize("n", [64, 96])
 def test_a_row_comes_out_bit_for_bit_the_same_whatever_rows_share_the_call(m, n):
   # More than one row tile goes over K in blocks of 512 (K = 1100: two whole
-  # blocks and a part), reloading each accumulator between blocks (on AVX2,
-  # from 48 rows, in 6-row tiles over half a panel at a time); a row
+  # blocks and a part), reloading each accumulator between blocks (on AVX2
+  # in 6-row tiles over half a panel at a time); a row
   # alone goes over K in one pass (on AVX2 two panels at a time, and an odd
   # last panel alone: n = 96 is three panels). The FMAs are the same, in the
   # same order, so a verify row equals the target-only step's bit for bit.
