@@ -354,6 +354,13 @@ class Qwen2(nn.Module):
       table = embed.table()  # [V, D] int8, plain or packed
     elif cfg.tie_word_embeddings:
       table = embed.panels if self.packed_table else embed.embedding  # [V/32, D, 32] or [V, D]
+    elif self.int8 and self.has_variable("params", "qlm_head_panels"):  # `quant.pack`ed
+      width, group = cpu_kernels.PANEL, cpu_kernels.GROUP
+      table = quant.PackedTable(
+          _param(self, "qlm_head_panels", nn.initializers.zeros,
+                 (cfg.vocab_size // width, -(-cfg.hidden_size // group), width, group), jnp.int8),
+          _param(self, "qlm_head_sums", nn.initializers.zeros, (cfg.vocab_size,), jnp.int32),
+          _param(self, "qlm_head_scale", nn.initializers.ones, (cfg.vocab_size,), jnp.float32))
     elif self.int8:
       table = quant.Table(
           _param(self, "qlm_head", nn.initializers.zeros, (cfg.vocab_size, cfg.hidden_size), jnp.int8),

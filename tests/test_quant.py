@@ -167,8 +167,16 @@ def test_packed_int8_params_compute_exactly_what_plain_int8_ones_do(tied, monkey
   packed = quant.pack(quant.quantize(params))
   assert quant.is_packed(packed) and not quant.is_packed(plain)
   assert set(packed["layers_0"]["mlp"]["down_proj"]) == {"qpanels", "sums", "scale"}
-  # Tied, the table is the head and is packed; untied, the head stays as it is.
-  assert ("qpanels" in packed["embed_tokens"]) == tied and ("qlm_head" in packed) != tied
+  # Tied, the table is the head and is packed; untied, the head is packed
+  # apart and the embedding, only looked up, stays as it is.
+  assert ("qpanels" in packed["embed_tokens"]) == tied and "qlm_head" not in packed
+  head_keys = {k for k in packed if "lm_head" in k}
+  assert head_keys == (set() if tied else {"qlm_head_panels", "qlm_head_sums", "qlm_head_scale"})
+  # A cut head reads the packed table's rows, untied as tied.
+  table = quant.output_table(plain, tied)
+  cut = jspec.api._head_rows(packed, cfg, 40)
+  np.testing.assert_array_equal(np.asarray(cut.q), np.asarray(table.q[:40]))
+  np.testing.assert_array_equal(np.asarray(cut.scale), np.asarray(table.scale[:40]))
   for t in (1, 5):
     tokens = np.random.RandomState(t).randint(0, cfg.vocab_size, size=(2, t)).astype(np.int32)
     want, want_cache = _forward(plain, cfg, tokens)
