@@ -146,7 +146,7 @@ def pack(params: Dict[str, Any]) -> Dict[str, Any]:
         node["qpanels"], node["sums"] = cpu_kernels.pack_int8(value)
 
   if "qlm_head" in params:  # untied: the embedding is only looked up
-    walk({k: v for k, v in params.items() if k not in ("embed_tokens", "qlm_head")})
+    walk({k: v for k, v in params.items() if k != "embed_tokens"})
     if params["qlm_head"].shape[0] % cpu_kernels.PANEL == 0:
       params["qlm_head_panels"], params["qlm_head_sums"] = cpu_kernels.pack_int8(
           params.pop("qlm_head"))
