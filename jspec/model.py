@@ -63,6 +63,26 @@ def _param(module: nn.Module, name: str, init, shape: tuple, dtype) -> jax.Array
   return value
 
 
+def _packed_int8(module: nn.Module, names: tuple, rows: int, cols: int) -> quant.PackedTable:
+  """An int8 [rows, cols] table stored for jspec's int8 kernel (`quant.pack`), as params.
+
+  Args:
+    module: the module the params belong to.
+    names: the names of its panels, row sums and row scales.
+    rows, cols: the table's shape.
+
+  Returns:
+    `quant.PackedTable` of the three params.
+  """
+  width, group = cpu_kernels.PANEL, cpu_kernels.GROUP
+  panels, sums, scale = names
+  return quant.PackedTable(
+      _param(module, panels, nn.initializers.zeros,
+             (rows // width, -(-cols // group), width, group), jnp.int8),
+      _param(module, sums, nn.initializers.zeros, (rows,), jnp.int32),
+      _param(module, scale, nn.initializers.ones, (rows,), jnp.float32))
+
+
 class Linear(nn.Module):
   """A dense layer whose weight is stored either way round (see `jspec.layout`).
 
@@ -80,13 +100,7 @@ class Linear(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
     if self.has_variable("params", "qpanels"):
-      width, group = cpu_kernels.PANEL, cpu_kernels.GROUP
-      k = x.shape[-1]
-      table = quant.PackedTable(
-          _param(self, "qpanels", nn.initializers.zeros,
-                 (self.features // width, -(-k // group), width, group), jnp.int8),
-          _param(self, "sums", nn.initializers.zeros, (self.features,), jnp.int32),
-          _param(self, "scale", nn.initializers.ones, (self.features,), jnp.float32))
+      table = _packed_int8(self, ("qpanels", "sums", "scale"), self.features, x.shape[-1])
       y = quant.matmul(x, table).astype(self.dtype)
     elif self.has_variable("params", "qweight"):
       qweight = _param(self, "qweight", nn.initializers.zeros, (self.features, x.shape[-1]), jnp.int8)
@@ -123,13 +137,11 @@ class QuantEmbed(nn.Module):
   def setup(self):
     v, d = self.num_embeddings, self.features
     if self.packed:
-      width, group = cpu_kernels.PANEL, cpu_kernels.GROUP
-      self.qpanels = _param(self, "qpanels", nn.initializers.zeros,
-                            (v // width, -(-d // group), width, group), jnp.int8)
-      self.sums = _param(self, "sums", nn.initializers.zeros, (v,), jnp.int32)
+      self.packed_table = _packed_int8(self, ("qpanels", "sums", "scale"), v, d)
+      self.scale = self.packed_table.scale
     else:
       self.qembedding = _param(self, "qembedding", nn.initializers.zeros, (v, d), jnp.int8)
-    self.scale = _param(self, "scale", nn.initializers.ones, (v,), jnp.float32)
+      self.scale = _param(self, "scale", nn.initializers.ones, (v,), jnp.float32)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D] float32
     if self.packed:
@@ -141,7 +153,7 @@ class QuantEmbed(nn.Module):
   def table(self):
     """The table as the tied output head reads it (a `quant.Table` or `quant.PackedTable`)."""
     if self.packed:
-      return quant.PackedTable(self.qpanels, self.sums, self.scale)
+      return self.packed_table
     return quant.Table(self.qembedding, self.scale)
 
 
@@ -355,12 +367,8 @@ class Qwen2(nn.Module):
     elif cfg.tie_word_embeddings:
       table = embed.panels if self.packed_table else embed.embedding  # [V/32, D, 32] or [V, D]
     elif self.int8 and self.has_variable("params", "qlm_head_panels"):  # `quant.pack`ed
-      width, group = cpu_kernels.PANEL, cpu_kernels.GROUP
-      table = quant.PackedTable(
-          _param(self, "qlm_head_panels", nn.initializers.zeros,
-                 (cfg.vocab_size // width, -(-cfg.hidden_size // group), width, group), jnp.int8),
-          _param(self, "qlm_head_sums", nn.initializers.zeros, (cfg.vocab_size,), jnp.int32),
-          _param(self, "qlm_head_scale", nn.initializers.ones, (cfg.vocab_size,), jnp.float32))
+      table = _packed_int8(self, ("qlm_head_panels", "qlm_head_sums", "qlm_head_scale"),
+                           cfg.vocab_size, cfg.hidden_size)
     elif self.int8:
       table = quant.Table(
           _param(self, "qlm_head", nn.initializers.zeros, (cfg.vocab_size, cfg.hidden_size), jnp.int8),
@@ -461,16 +469,17 @@ def _scan_layers(cfg: config_lib.Qwen2Config, dtype, layers: list, x, positions,
   def chunk(buf):  # [1, B, S, K, H] -> [B, T, K, H] the slots each row just wrote
     return jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, t, axis=0))(buf[0], starts)
 
-  def fused_body(x, i):  # the attention kernel reads layer i's slots where they lie
+  def layer_params(i):  # layer i's params: its kernel weights picked, the rest sliced
     leaves = [cpu_kernels.LayerPick(c, i) if big else c[i] for c, big in zip(columns, picked)]
-    params = jax.tree_util.tree_unflatten(treedef, leaves)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+  def fused_body(x, i):  # the attention kernel reads layer i's slots where they lie
     x, new_k, new_v = DecoderBlock(cfg, dtype, 0, fused=True, parent=None).apply(
-        {"params": params}, x, positions, k_buf, v_buf, starts, i)
+        {"params": layer_params(i)}, x, positions, k_buf, v_buf, starts, i)
     return x, (new_k, new_v)
 
   def body(x, i):
-    leaves = [cpu_kernels.LayerPick(c, i) if big else c[i] for c, big in zip(columns, picked)]
-    params = jax.tree_util.tree_unflatten(treedef, leaves)
+    params = layer_params(i)
     k_layer = jax.lax.dynamic_slice_in_dim(k_buf, i, 1, axis=0)  # [1, B, S, K, H]
     v_layer = jax.lax.dynamic_slice_in_dim(v_buf, i, 1, axis=0)
     x, k_layer, v_layer = DecoderBlock(cfg, dtype, 0, parent=None).apply(
