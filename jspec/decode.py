@@ -351,8 +351,9 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
     knobs = spec.knobs()
   samp = _sampling(spec, knobs)
   tcache = cache_lib.init(t_cfg, b, width, _dtype(target_params))
+  # fresh: the caches were just made empty, so the prompt attends to itself only.
   logits, tcache = model.forward(target_params, t_cfg, prompt, tcache,
-                                 logits_at=(prompt_len - 1)[:, None])
+                                 logits_at=(prompt_len - 1)[:, None], fresh=True)
   # Padding slots past each prompt were written but are now rolled back.
   tcache = cache_lib.with_lengths(tcache, prompt_len)
   p = sampling.probs(logits[:, 0], samp)
@@ -364,7 +365,7 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
   if spec.method in DRAFT_METHODS:
     dcache = cache_lib.init(spec.draft, b, width, _dtype(draft_params.params))
     _, dcache = model.forward(draft_params.params, spec.draft, prompt, dcache,
-                              logits_at=jnp.zeros((b, 1), jnp.int32))
+                              logits_at=jnp.zeros((b, 1), jnp.int32), fresh=True)
     dcache = cache_lib.with_lengths(dcache, prompt_len)
 
   g = spec.gamma_max

@@ -219,12 +219,14 @@ class Attention(nn.Module):
 
   With `fused`, the caches are only read, by jspec's CPU attention kernel
   (`jspec.cpu_attention`), and the chunk's keys and values are returned for
-  the caller to write.
+  the caller to write. With `fresh` (a prefill: every row's cache is empty)
+  the chunk attends only to itself, not to every slot of the cache.
   """
 
   cfg: config_lib.Qwen2Config
   dtype: jnp.dtype
   fused: bool = False
+  fresh: bool = False
 
   @nn.compact
   def __call__(self, x, positions, k_buf, v_buf, layer, starts):
@@ -259,6 +261,11 @@ class Attention(nn.Module):
     k_buf = cache_lib.write_layer(k_buf, layer, new_k, starts)
     v_buf = cache_lib.write_layer(v_buf, layer, new_v, starts)
     keys, values = k_buf[layer], v_buf[layer]  # [B, S, K, H]
+    if self.fresh:
+      # Slots 0..T-1 are the chunk, and past them nothing is visible: a
+      # prefill of T = 320 would score 658 slots, twice the work (and 4x the
+      # causal half), for masked-out zeros.
+      keys, values = new_k, new_v  # [B, T, K, H]
 
     q = q.reshape(b, t, k, g, h)  # query head n = k * G + g, as HF repeat_kv
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys,
@@ -293,18 +300,21 @@ class DecoderBlock(nn.Module):
 
   Returns (x, k_buf, v_buf) with the chunk written; with `fused` (see
   `Attention`) (x, new_k, new_v), and the layer index comes as `layer_index`.
+  `fresh` as `Attention`'s.
   """
 
   cfg: config_lib.Qwen2Config
   dtype: jnp.dtype
   layer: int
   fused: bool = False
+  fresh: bool = False
 
   @nn.compact
   def __call__(self, x, positions, k_buf, v_buf, starts, layer_index=None):
     eps = self.cfg.rms_norm_eps
     layer = layer_index if self.fused else self.layer
-    attn_out, k_buf, v_buf = Attention(self.cfg, self.dtype, self.fused, name="self_attn")(
+    attention = Attention(self.cfg, self.dtype, self.fused, self.fresh, name="self_attn")
+    attn_out, k_buf, v_buf = attention(
         RMSNorm(eps, name="input_layernorm")(x), positions, k_buf, v_buf, layer, starts)
     x = x + attn_out
     x = x + MLP(self.cfg, self.dtype, name="mlp")(RMSNorm(eps, name="post_attention_layernorm")(x))
@@ -318,6 +328,7 @@ class Qwen2(nn.Module):
   dtype: jnp.dtype = jnp.float32
   int8: bool = False  # weights in `jspec.quant`'s form
   packed_table: bool = False  # output table stored as kernel panels (`jspec.layout`, `quant.pack`)
+  fresh: bool = False  # every row's cache is empty (see `forward`)
 
   @nn.compact
   def __call__(self, tokens, cache: cache_lib.KVCache, logits_at: Optional[jax.Array] = None,
@@ -354,10 +365,12 @@ class Qwen2(nn.Module):
     if SCAN_LAYERS and self.has_variable("params", "layers_0"):
       layers = [self.get_variable("params", f"layers_{i}") for i in range(cfg.num_layers)]
     if layers is not None and _scannable(layers):
-      x, k_buf, v_buf = _scan_layers(cfg, self.dtype, layers, x, positions, k_buf, v_buf, starts)
+      x, k_buf, v_buf = _scan_layers(cfg, self.dtype, layers, x, positions, k_buf, v_buf, starts,
+                                     self.fresh)
     else:
       for layer in range(cfg.num_layers):
-        x, k_buf, v_buf = DecoderBlock(cfg, self.dtype, layer, name=f"layers_{layer}")(
+        x, k_buf, v_buf = DecoderBlock(cfg, self.dtype, layer, fresh=self.fresh,
+                                       name=f"layers_{layer}")(
             x, positions, k_buf, v_buf, starts)
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)  # [B, T', D]
@@ -434,7 +447,7 @@ def _scannable(layers: list) -> bool:
 
 
 def _scan_layers(cfg: config_lib.Qwen2Config, dtype, layers: list, x, positions, k_buf, v_buf,
-                 starts):
+                 starts, fresh: bool = False):
   """The decoder layers as one `lax.scan`: each forward compiles one layer, not L.
 
   The kernels' weights stay per layer and each step picks its layer's
@@ -455,6 +468,8 @@ def _scan_layers(cfg: config_lib.Qwen2Config, dtype, layers: list, x, positions,
     positions: [B, T] int32.
     k_buf, v_buf: [L, B, S, K, H] caches.
     starts: [B] int32 first new slot per row.
+    fresh: every row's cache is empty (`Attention`'s `fresh`; the fused
+      kernel reads only visible slots anyway).
 
   Returns:
     (x [B, T, D] after the last layer, k_buf, v_buf with the chunk written).
@@ -482,7 +497,7 @@ def _scan_layers(cfg: config_lib.Qwen2Config, dtype, layers: list, x, positions,
     params = layer_params(i)
     k_layer = jax.lax.dynamic_slice_in_dim(k_buf, i, 1, axis=0)  # [1, B, S, K, H]
     v_layer = jax.lax.dynamic_slice_in_dim(v_buf, i, 1, axis=0)
-    x, k_layer, v_layer = DecoderBlock(cfg, dtype, 0, parent=None).apply(
+    x, k_layer, v_layer = DecoderBlock(cfg, dtype, 0, fresh=fresh, parent=None).apply(
         {"params": params}, x, positions, k_layer, v_layer, starts)
     return x, (chunk(k_layer), chunk(v_layer))
 
@@ -495,7 +510,7 @@ def _scan_layers(cfg: config_lib.Qwen2Config, dtype, layers: list, x, positions,
 
 def forward(params: Params, cfg: config_lib.Qwen2Config, tokens: jax.Array,
             cache: cache_lib.KVCache, logits_at: Optional[jax.Array] = None,
-            head: Optional[jax.Array] = None):
+            head: Optional[jax.Array] = None, fresh: bool = False):
   """Pure functional forward pass (see `Qwen2.__call__`).
 
   Args:
@@ -505,6 +520,9 @@ def forward(params: Params, cfg: config_lib.Qwen2Config, tokens: jax.Array,
     cache: KV cache to read and extend.
     logits_at: optional [B, T'] positions within T to compute logits at.
     head: optional [V', D] output table replacing the model's own.
+    fresh: static; the caller promises every row's cache length is 0 (a
+      prefill), so attention reads only the new chunk. The result is the
+      same as without it; with a non-empty cache it would be wrong.
 
   Returns:
     ([B, T', V'] float32 logits, updated cache).
@@ -512,7 +530,7 @@ def forward(params: Params, cfg: config_lib.Qwen2Config, tokens: jax.Array,
   int8 = quant.is_quantized(params)
   embed = params["embed_tokens"]
   packed_table = "panels" in embed or "qpanels" in embed or "lm_head_panels" in params
-  return Qwen2(cfg, compute_dtype(params), int8, packed_table).apply(
+  return Qwen2(cfg, compute_dtype(params), int8, packed_table, fresh).apply(
       {"params": params}, tokens, cache, logits_at, head)
 
 

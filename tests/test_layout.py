@@ -172,3 +172,31 @@ def test_packed_layers_run_as_one_loop_with_the_unrolled_results(int8, monkeypat
                  results[False], results[True])
   else:
     jax.tree.map(np.testing.assert_array_equal, results[False], results[True])
+
+
+@pytest.mark.parametrize("form", ["cols", "packed", "int8"])
+def test_a_fresh_prefill_attends_to_its_chunk_with_the_same_results(form):
+  # `fresh` (prefill: every cache empty) attends over the chunk alone, not
+  # every slot: the logits and cache must be the plain forward's (to float
+  # rounding: XLA sums the softmax over fewer slots), whether the layers are
+  # unrolled (cols) or one loop (packed, int8). 60
+  # tokens: past FUSED_MAX_T, where the loop attends with XLA, not the kernel.
+  if form != "cols" and (not cpu_kernels.available() or
+                         (form == "int8" and cpu_kernels.int8_kind() is None)):
+    pytest.skip("no CPU kernel for this here")
+  cfg = config_lib.Qwen2Config(**{**tiny.PACKABLE_TARGET.to_dict(), "num_layers": 3})
+  params = model.init_params(cfg, jax.random.key(5), scale=0.3)
+  if form == "packed":
+    params = layout.convert(params, "packed")
+  elif form == "int8":
+    params = quant.pack(quant.quantize(params))
+  tokens = jnp.asarray(np.random.RandomState(5).randint(0, cfg.vocab_size, size=(2, 60)), jnp.int32)
+  results = {}
+  for fresh in (False, True):
+    fn = jax.jit(lambda p, x, c, fresh=fresh: model.forward(p, cfg, x, c, fresh=fresh))
+    results[fresh] = fn(params, tokens, cache_lib.init(cfg, 2, 96))
+  # int8: that rounding can move an activation across an int8 step, which
+  # moves a position's logits by a few hundredths (0.04 seen).
+  atol = 0.1 if form == "int8" else 1e-4
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=atol),
+               results[False], results[True])
