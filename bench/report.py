@@ -100,7 +100,15 @@ def verdicts(doc: dict[str, Any]) -> str:
   if bw.get("gbs"):
     lines.append(f"memory bandwidth: {bw['gbs']:.1f} GB/s, the best of numpy sum "
                  f"{bw.get('numpy_gbs', 0):.1f}, XLA sum {bw.get('jax_sum_gbs', 0):.1f}, "
-                 f"XLA matvec {bw.get('jax_matvec_gbs', 0):.1f} (the roofline uses the best)")
+                 f"XLA matvec {bw.get('jax_matvec_gbs', 0):.1f} at the start")
+  around = [e["bandwidth"]["gbs"] for e in doc.get("prompts", {}).values()
+            if (e.get("bandwidth") or {}).get("gbs")]
+  if around:
+    lines.append(f"roofline: each prompt's records over the mean of the reads just before and "
+                 f"after them ({min(around):.1f}-{max(around):.1f} GB/s over "
+                 f"{len(around)} prompts)")
+  elif bw.get("gbs"):
+    lines.append("roofline: over the read at the start")
   mem = doc.get("memory", {})
   if mem.get("peak_rss_bytes"):
     ratio = mem.get("peak_rss_over_param_bytes")

@@ -230,15 +230,18 @@ def ratios(doc: dict[str, Any]) -> None:
 
   speedup_vs_<baseline> = the record's tokens/s over the baseline's on the
   same prompt (prefill + decode, compile excluded on both). roofline_fraction
-  = achieved GB/s over the bandwidth measured in this run. A record with
+  = achieved GB/s over the bandwidth read around its prompt's records
+  (entry["bandwidth"], from `runner._bracket`), or over the run's first read
+  where the prompt has none (results from before those reads). A record with
   derived figures (--random-weights) gets its derived speedups inside
   record["derived"], beside the measured ones.
 
   Args:
     doc: the document (changed in place).
   """
-  bandwidth = (doc.get("bandwidth") or {}).get("gbs")
+  run_bandwidth = (doc.get("bandwidth") or {}).get("gbs")
   for entry in doc["prompts"].values():
+    bandwidth = (entry.get("bandwidth") or {}).get("gbs") or run_bandwidth
     records = entry.get("modes", {})
     for rec in records.values():
       for base in BASELINES:

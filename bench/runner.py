@@ -134,6 +134,36 @@ def _draft_bytes(bundle, mode: modes_lib.Mode) -> Optional[int]:
   return total
 
 
+def _platform(opts) -> Optional[str]:
+  """JAX_PLATFORMS for the bench's child processes ("cpu", "cuda"), or None to inherit."""
+  return {"cpu": "cpu", "gpu": "cuda"}.get(opts.device)
+
+
+def _bandwidth_read(opts) -> Optional[float]:
+  """One memory bandwidth read (`memory.bandwidth`, best of 5) in GB/s, or None if it failed."""
+  return memory.bandwidth(opts.bandwidth_bytes, 5, _platform(opts)).get("gbs")
+
+
+def _bracket(before: Optional[float], after: Optional[float]) -> dict[str, Any]:
+  """The roof of one prompt's records: the mean of the reads just before and after them.
+
+  This shared machine's bandwidth moves by a third over minutes, so a roof
+  read once at the start of a 20-minute run is not the one a prompt's
+  decode met (the target-only roofline fraction swung 68-100% over runs of
+  one build that way). Reads on both sides of the prompt's records bound
+  the window they ran in.
+
+  Args:
+    before, after: GB/s, or None where a read failed.
+
+  Returns:
+    {"before_gbs", "after_gbs", "gbs": the mean of those that succeeded (None if neither)}.
+  """
+  reads = [r for r in (before, after) if r is not None]
+  return {"before_gbs": before, "after_gbs": after,
+          "gbs": sum(reads) / len(reads) if reads else None}
+
+
 def _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order) -> bool:
   """Measures every missing jspec record. Returns False if the gate stopped the run."""
   jmodes = [m for m in chosen if m.engine == "jspec"]
@@ -167,10 +197,12 @@ def _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order) -> bool:
   if not interleave:
     _log("the modes lay the target out differently (no CPU kernel): each mode's "
          "repetitions run back to back, not interleaved")
+  last_read = None  # the bandwidth read just after the previous prompt's records
   for p in prompt_list:
     entry = doc["prompts"][p.name]
     todo = [m for m in jmodes if not results.has(doc, p.name, m.name)]
     d_bytes = {m.name: _draft_bytes(bundle, m) for m in todo}
+    before = (last_read if last_read is not None else _bandwidth_read(opts)) if todo else None
     recs = engine.run_modes(bundle, entry["prompt_ids"], todo, opts.max_new_tokens, opts.reps,
                             opts.stop_at_eos, t_bytes, d_bytes, interleave) if todo else {}
     # The prompt's programs go once it is measured: kept for the next
@@ -180,6 +212,9 @@ def _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order) -> bool:
     # its first call is a warm-up.
     api.release_programs()
     memory.release_freed()
+    if todo:
+      last_read = _bandwidth_read(opts)
+      entry["bandwidth"] = _bracket(before, last_read)
     for m in jmodes:
       done += 1
       if m.name not in recs:
@@ -306,8 +341,7 @@ def run(opts: argparse.Namespace, argv: Optional[list[str]] = None) -> int:
 
   if not doc.get("bandwidth"):
     _log("measuring memory bandwidth")
-    platform = {"cpu": "cpu", "gpu": "cuda"}.get(opts.device)
-    doc["bandwidth"] = memory.bandwidth(opts.bandwidth_bytes, 5, platform)
+    doc["bandwidth"] = memory.bandwidth(opts.bandwidth_bytes, 5, _platform(opts))
   results.write(doc, out)
   lap("bandwidth")
 

@@ -19,6 +19,7 @@ import tiny
 from bench import __main__ as bench_main
 from bench import derive
 from bench import kernel_ab
+from bench import memory
 from bench import modes as modes_lib
 from bench import prompts as prompts_lib
 from bench import results
@@ -71,6 +72,27 @@ def test_smoke_run_writes_every_figure(smoke_run):
   for path in doc["plots"]:
     with open(path, "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_prompts_roofline_is_over_the_bandwidth_read_around_its_records(tmp_path,
+                                                                           monkeypatch):
+  # The shared machine's bandwidth moves over minutes: a prompt's records
+  # are held to the mean of the reads just before and after them (one read
+  # between two prompts serves both), not to the read at the start.
+  reads = iter([10.0, 20.0, 30.0, 40.0])
+  monkeypatch.setattr(memory, "bandwidth", lambda *args: {"gbs": next(reads)})
+  code = bench_main.main(SMOKE + ["--prompts", "quicksort,js_debounce", "--modes", "target",
+                                  "--reps", "1", "--no-hf", "--out", str(tmp_path / "r.json")])
+  assert code == 0
+  doc = json.loads((tmp_path / "r.json").read_text())
+  assert doc["bandwidth"]["gbs"] == 10.0
+  roofs = {"quicksort": (20.0, 30.0, 25.0), "js_debounce": (30.0, 40.0, 35.0)}
+  for name, (before, after, mean) in roofs.items():
+    entry = doc["prompts"][name]
+    assert entry["bandwidth"] == {"before_gbs": before, "after_gbs": after, "gbs": mean}
+    rec = entry["modes"]["target"]
+    assert rec["roofline_fraction"] == pytest.approx(rec["achieved_gbs"] / mean)
+  assert next(reads, None) is None  # four reads: the start, and one on each side of each prompt
 
 
 def test_no_compiled_program_outlives_its_prompt(smoke_run):
