@@ -269,6 +269,20 @@ def test_kernel_ab_times_two_builds_on_every_matrix_of_a_forward(monkeypatch, ca
   assert c.hidden_size == 64 and c.intermediate_size == 96 and c.num_layers == 2
 
 
+def test_kernel_ab_times_the_int8_kernel_on_the_drafts_matrices(monkeypatch, capsys):
+  # --int8: the host's int8 kernel (AVX2 or VNNI) on int8 panels, the
+  # draft's shapes swapped for the tiny target's.
+  if cpu_kernels.int8_kind() is None:
+    pytest.skip("no int8 kernel on this host")
+  monkeypatch.setattr(shapes, "QWEN25_CODER_0_5B", tiny.PACKABLE_TARGET)
+  kernel_ab.main(["--base", "HEAD", "--m", "1,5", "--reps", "2", "--int8"])
+  out = capsys.readouterr().out
+  assert f"{cpu_kernels.int8_kind()} kernel on the 0.5B draft's matrices" in out
+  rows = [line for line in out.splitlines() if line.startswith("M=")]
+  assert [row.split()[0] for row in rows] == ["M=1", "M=5"]
+  assert all("GOPS" in row and row.endswith("bit-identical True") for row in rows)
+
+
 def test_kernel_ab_names_a_revision_git_cannot_show():
   with pytest.raises(SystemExit, match="--base no-such-rev: git could not show jspec/cpu_kernels.cc"):
     kernel_ab.main(["--base", "no-such-rev", "--m", "1", "--reps", "1"])
