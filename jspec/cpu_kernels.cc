@@ -433,8 +433,10 @@ using Int32Matrix = ffi::Buffer<ffi::S32, 2>;
 // The int8 kernels' shared body: checks the shapes, then runs tiles[rows]
 // (a kernel's tiles by row count, up to kRowsT) over every row tile of every
 // panel. Each int8 panel is read whole per row tile: the draft's matrices
-// are a quarter of the f32 size and its steps have few rows.
-template <typename XBuffer, typename TileFnT, size_t kTableSize, typename RowTileFnT = std::nullptr_t>
+// are a quarter of the f32 size and its steps have few rows. Given a
+// row_tile (`RowTileS8`), a single row goes over row_panels panels in step.
+template <typename XBuffer, typename TileFnT, size_t kTableSize,
+          typename RowTileFnT = std::nullptr_t>
 ffi::Error RunInt8(const char* name, ffi::ThreadPool& pool, XBuffer& x, Int8Panels& w,
                    ffi::Result<Int32Matrix>& y,
                    const std::array<TileFnT, kTableSize>& tiles,
@@ -455,8 +457,8 @@ ffi::Error RunInt8(const char* name, ffi::ThreadPool& pool, XBuffer& x, Int8Pane
   if constexpr (!std::is_same_v<RowTileFnT, std::nullptr_t>) {
     if (m_size == 1) {  // row_panels panels in step (`RowTileS8`)
       const int64_t stride = groups * 4 * kPanel;
-      ForEachPanel(pool, (wd[0] + row_panels - 1) / row_panels, [=](int64_t g) {
-        const int64_t p0 = g * row_panels;
+      ForEachPanel(pool, (wd[0] + row_panels - 1) / row_panels, [=](int64_t set) {
+        const int64_t p0 = set * row_panels;
         if (p0 + row_panels <= wd[0]) {
           row_tile(xp, wp + p0 * stride, stride, groups, yp + p0 * kPanel);
           return;
