@@ -260,12 +260,13 @@ class Attention(nn.Module):
       return o_proj(out.reshape(b, t, n * h)), new_k, new_v
     k_buf = cache_lib.write_layer(k_buf, layer, new_k, starts)
     v_buf = cache_lib.write_layer(v_buf, layer, new_v, starts)
-    keys, values = k_buf[layer], v_buf[layer]  # [B, S, K, H]
     if self.fresh:
       # Slots 0..T-1 are the chunk, and past them nothing is visible: a
       # prefill of T = 320 would score 658 slots, twice the work (and 4x the
       # causal half), for masked-out zeros.
       keys, values = new_k, new_v  # [B, T, K, H]
+    else:
+      keys, values = k_buf[layer], v_buf[layer]  # [B, S, K, H]
 
     q = q.reshape(b, t, k, g, h)  # query head n = k * G + g, as HF repeat_kv
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys,
