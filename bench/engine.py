@@ -20,8 +20,10 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 import jspec
+from bench import memory
 from bench import modes as modes_lib
 from jspec import api
+from jspec import greedy_head
 
 _FRESH = ("compile_s", "relayout_s", "quantize_s")
 
@@ -107,12 +109,32 @@ def run_modes(bundle: jspec.Bundle, ids: list[int], modes: Sequence[modes_lib.Mo
     for m in modes:
       while len(runs[m.name]) < reps:
         call(m)
-  return {m.name: _record(m, runs[m.name], warm.get(m.name), target_bytes, draft_bytes[m.name])
+  one_row = one_row_bytes(bundle.target.params, target_bytes)
+  return {m.name: _record(m, runs[m.name], warm.get(m.name), target_bytes, draft_bytes[m.name],
+                          one_row)
           for m in modes}
 
 
+def one_row_bytes(params: dict, target_bytes: int) -> Optional[int]:
+  """Weight bytes of a greedy one-row target forward that reads the int8 head (`jspec.greedy_head`).
+
+  Args:
+    params: the target's params as the run left them.
+    target_bytes: weight bytes of one target forward (the float32 head read whole).
+
+  Returns:
+    target_bytes with the float32 head's bytes replaced by the int8 copy's
+    (the candidates' few float rows not counted), or None when the target
+    carries no int8 head.
+  """
+  if greedy_head.PARAM not in params:
+    return None
+  panels = greedy_head.table(params)
+  return int(target_bytes - panels.nbytes + memory.param_bytes(params[greedy_head.PARAM]))
+
+
 def _record(mode: modes_lib.Mode, runs: list, warm: Optional[tuple], target_bytes: int,
-            draft_bytes: Optional[int]) -> dict[str, Any]:
+            draft_bytes: Optional[int], one_row: Optional[int]) -> dict[str, Any]:
   """One mode's record from its timed calls and its warm-up (see `run_modes`)."""
   compile_s = relayout_s = quantize_s = 0.0
   warmup_s, warmup_ids = None, None
@@ -157,14 +179,14 @@ def _record(mode: modes_lib.Mode, runs: list, warm: Optional[tuple], target_byte
   # One round's cost: what a speculative round of this gamma costs on these
   # shapes whatever the weights (see bench.derive).
   record["round_s"] = record["decode_s"] / stats["rounds"] if stats["rounds"] else float("nan")
-  record["bytes_read_decode"] = decode_bytes(mode, stats, target_bytes, draft_bytes)
+  record["bytes_read_decode"] = decode_bytes(mode, stats, target_bytes, draft_bytes, one_row)
   record["achieved_gbs"] = (record["bytes_read_decode"] / record["decode_s"] / 1e9
                             if record["decode_s"] > 0 else float("nan"))
   return record
 
 
 def decode_bytes(mode: modes_lib.Mode, stats: dict[str, Any], target_bytes: int,
-                 draft_bytes: Optional[int]) -> int:
+                 draft_bytes: Optional[int], one_row: Optional[int] = None) -> int:
   """Weight bytes the decode loop read: per round one target forward, plus the draft's steps.
 
   Per round the target runs one forward (a single token for target-only, the
@@ -172,18 +194,29 @@ def decode_bytes(mode: modes_lib.Mode, stats: dict[str, Any], target_bytes: int,
   and the draft model runs one forward per draft it proposed. The drafted
   count is exact for fixed gamma and the heuristic policy, and a lower bound
   for the confidence policy (the step whose confidence stops a row was run
-  too). The prefill is not counted: decode_s does not include it.
+  too). The prefill is not counted: decode_s does not include it. A greedy
+  one-row forward (every target-only round; a prompt-lookup round that found
+  nothing to copy) reads the int8 head instead of the float32 one where the
+  target has it (`one_row`).
 
   Args:
     mode: the mode.
     stats: `Result.stats` of one call.
     target_bytes: weight bytes of one target forward.
     draft_bytes: weight bytes of one draft forward (None without a draft).
+    one_row: weight bytes of a greedy one-row target forward (`one_row_bytes`),
+      or None when it reads what any other does.
 
   Returns:
     Bytes.
   """
-  total = stats["rounds"] * target_bytes
+  method = mode.kwargs.get("method")
+  single = 0  # rounds whose verify is one row
+  if one_row is not None and method == "target":
+    single = stats["rounds"]
+  elif one_row is not None and method == "prompt_lookup":
+    single = sum(1 for g in stats["gamma_trace"] if g == 0)
+  total = (stats["rounds"] - single) * target_bytes + single * (one_row or 0)
   if mode.uses_draft and draft_bytes:
     total += stats["drafted"] * draft_bytes
   return int(total)

@@ -2,6 +2,7 @@
 
     matmul(x [..., K], panels [N/32, K, 32]) -> [..., N]                 (fp32)
     matmul_int8(xq [M, K], panels [N/32, K/4, 32, 4], sums [N]) -> [M, N] (exact int32)
+    matmul_f32s8(x [M, K], qpanels [N/32, K, 32] int8) -> [M, N]       (fp32 x int8)
 
 XLA CPU's own dot re-packs its weight operand on every call and does not
 overlap those memory reads with the arithmetic, so a decode step, which
@@ -49,7 +50,8 @@ TARGET_S8 = "jspec_gemm_s8"  # s8 x s8, AVX2
 # The same products with the weight picked from one buffer per layer (`LayerPick`).
 LAYER_TARGETS = {t: t + "_layer" for t in (TARGET, TARGET_INT8, TARGET_S8)}
 TARGET_ATTEND = "jspec_attend_f32"  # decode attention over the cache (`jspec.cpu_attention`)
-TARGETS = (TARGET, TARGET_INT8, TARGET_S8, *LAYER_TARGETS.values(), TARGET_ATTEND)
+TARGET_F32S8 = "jspec_gemm_f32s8"  # f32 x s8 -> f32, the greedy head's estimate (`jspec.greedy_head`)
+TARGETS = (TARGET, TARGET_INT8, TARGET_S8, *LAYER_TARGETS.values(), TARGET_ATTEND, TARGET_F32S8)
 SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
 # The attention kernel, built into the same library; both sources include the
 # thread helpers of HEADERS.
@@ -57,7 +59,8 @@ OTHER_SOURCES = (pathlib.Path(__file__).with_name("cpu_attention.cc"),)
 HEADERS = (pathlib.Path(__file__).with_name("cpu_threads.h"),)
 _SYMBOLS = {TARGET: "JspecGemmF32", TARGET_INT8: "JspecGemmI8", TARGET_S8: "JspecGemmS8",
             LAYER_TARGETS[TARGET]: "JspecGemmF32Layer", LAYER_TARGETS[TARGET_INT8]: "JspecGemmI8Layer",
-            LAYER_TARGETS[TARGET_S8]: "JspecGemmS8Layer", TARGET_ATTEND: "JspecAttendF32"}
+            LAYER_TARGETS[TARGET_S8]: "JspecGemmS8Layer", TARGET_ATTEND: "JspecAttendF32",
+            TARGET_F32S8: "JspecGemmF32S8"}
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
 _LIBRARY = None  # the loaded library: kept referenced so it is never unloaded
 
@@ -313,6 +316,28 @@ def matmul_int8(xq: jax.Array, panels: jax.Array, sums: jax.Array) -> jax.Array:
     panels = panels.value()
   q = unpack_int8(panels, k)  # [N, K]
   return jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+
+
+def matmul_f32s8(x: jax.Array, qpanels: jax.Array) -> jax.Array:
+  """x @ Q for an int8 Q stored as panels, in float32: [M, K] x [N/32, K, 32] -> [M, N].
+
+  The kernel (`jspec_gemm_f32s8`) where it runs, else an einsum over Q in
+  float32. The two sum in different orders: callers that need the result
+  exactly bound its rounding (`jspec.greedy_head`).
+
+  Args:
+    x: [M, K] float32.
+    qpanels: [N/32, K, 32] int8, laid out as `pack` lays out a float [K, N].
+
+  Returns:
+    [M, N] float32.
+  """
+  m, k = x.shape
+  p, _, width = qpanels.shape
+  if available() and jax.default_backend() == "cpu":
+    out_type = jax.ShapeDtypeStruct((m, p * width), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_F32S8, out_type)(x, qpanels)
+  return jnp.einsum("mk,pkw->mpw", x, qpanels.astype(jnp.float32)).reshape(m, p * width)
 
 
 def unavailable_reason() -> Optional[str]:

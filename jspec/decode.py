@@ -266,16 +266,23 @@ def _verify(params, spec: Spec, chunk: jax.Array, tcache: cache_lib.KVCache,
   widths = verify_widths(spec)
   full = chunk.shape[1]
   if len(widths) == 1:
-    return model.forward(params, spec.target, chunk, tcache)
+    return _target_forward(params, spec, chunk, tcache)
 
   def branch(w: int):
     def fn(chunk, tcache):
-      logits, tcache = model.forward(params, spec.target, chunk[:, :w], tcache)
+      logits, tcache = _target_forward(params, spec, chunk[:, :w], tcache)
       return jnp.pad(logits, ((0, 0), (0, full - w), (0, 0)), mode="edge"), tcache
     return fn
 
   return jax.lax.switch(_width_index(widths, counted), [branch(w) for w in widths],
                         chunk, tcache)
+
+
+def _target_forward(params, spec: Spec, tokens: jax.Array, tcache: cache_lib.KVCache,
+                    **kwargs):
+  """`model.forward` of the target, told when only the argmax of its logits is used (greedy)."""
+  return model.forward(params, spec.target, tokens, tcache, greedy=spec.sampling.greedy,
+                       vocab_limit=spec.sampling.vocab_limit, **kwargs)
 
 
 def _width_index(widths: tuple[int, ...], counted: jax.Array) -> jax.Array:
@@ -352,8 +359,8 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
   samp = _sampling(spec, knobs)
   tcache = cache_lib.init(t_cfg, b, width, _dtype(target_params))
   # fresh: the caches were just made empty, so the prompt attends to itself only.
-  logits, tcache = model.forward(target_params, t_cfg, prompt, tcache,
-                                 logits_at=(prompt_len - 1)[:, None], fresh=True)
+  logits, tcache = _target_forward(target_params, spec, prompt, tcache,
+                                   logits_at=(prompt_len - 1)[:, None], fresh=True)
   # Padding slots past each prompt were written but are now rolled back.
   tcache = cache_lib.with_lengths(tcache, prompt_len)
   p = sampling.probs(logits[:, 0], samp)

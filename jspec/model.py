@@ -30,6 +30,7 @@ from jspec import cache as cache_lib
 from jspec import config as config_lib
 from jspec import cpu_attention
 from jspec import cpu_kernels
+from jspec import greedy_head
 from jspec import quant
 
 Params = Any  # nested dict of arrays, as returned by `init_params` or `convert`.
@@ -330,6 +331,8 @@ class Qwen2(nn.Module):
   int8: bool = False  # weights in `jspec.quant`'s form
   packed_table: bool = False  # output table stored as kernel panels (`jspec.layout`, `quant.pack`)
   fresh: bool = False  # every row's cache is empty (see `forward`)
+  greedy: bool = False  # only each row's argmax is used (see `forward`)
+  vocab_limit: Optional[int] = None  # ids at or past it are never the argmax (with `greedy`)
 
   @nn.compact
   def __call__(self, tokens, cache: cache_lib.KVCache, logits_at: Optional[jax.Array] = None,
@@ -398,11 +401,21 @@ class Qwen2(nn.Module):
       table = head  # [V', D]
     if isinstance(table, (quant.Table, quant.PackedTable)):
       logits = quant.matmul(x, table)
+    elif table.ndim == 3 and self._greedy_head(x, table):
+      b, t, d = x.shape
+      bound = self.get_variable("params", greedy_head.PARAM)
+      logits = greedy_head.logits(x.reshape(b * t, d), table, bound,
+                                  self.vocab_limit).reshape(b, t, -1)
     elif table.ndim == 3:  # panels
       logits = cpu_kernels.matmul(x, table).astype(jnp.float32)
     else:
       logits = jnp.einsum("BTD,VD->BTV", x, table, preferred_element_type=jnp.float32)
     return logits, cache.replace(k=k_buf, v=v_buf, lengths=starts + t)
+
+  def _greedy_head(self, x: jax.Array, table: jax.Array) -> bool:
+    """Whether the head takes `jspec.greedy_head`'s exact argmax path for x [B, T', D]."""
+    return (self.greedy and self.has_variable("params", greedy_head.PARAM)
+            and greedy_head.applies(x.shape[0] * x.shape[1], table))
 
 
 # Whether forwards over kernel-packed layers run as one loop over layers
@@ -511,7 +524,8 @@ def _scan_layers(cfg: config_lib.Qwen2Config, dtype, layers: list, x, positions,
 
 def forward(params: Params, cfg: config_lib.Qwen2Config, tokens: jax.Array,
             cache: cache_lib.KVCache, logits_at: Optional[jax.Array] = None,
-            head: Optional[jax.Array] = None, fresh: bool = False):
+            head: Optional[jax.Array] = None, fresh: bool = False, greedy: bool = False,
+            vocab_limit: Optional[int] = None):
   """Pure functional forward pass (see `Qwen2.__call__`).
 
   Args:
@@ -524,6 +538,12 @@ def forward(params: Params, cfg: config_lib.Qwen2Config, tokens: jax.Array,
     fresh: static; the caller promises every row's cache length is 0 (a
       prefill), so attention reads only the new chunk. The result is the
       same as without it; with a non-empty cache it would be wrong.
+    greedy: static; the caller uses only each row's argmax over ids below
+      vocab_limit. Where the params carry `jspec.greedy_head`'s int8 head
+      (a float32 target laid out "packed", `jspec.layout`) and the call has
+      few rows, logits are then exact only where they could be the argmax
+      and -inf elsewhere: the same argmax from a quarter of the head's bytes.
+    vocab_limit: static; with greedy, ids at or past it are never chosen.
 
   Returns:
     ([B, T', V'] float32 logits, updated cache).
@@ -531,7 +551,7 @@ def forward(params: Params, cfg: config_lib.Qwen2Config, tokens: jax.Array,
   int8 = quant.is_quantized(params)
   embed = params["embed_tokens"]
   packed_table = "panels" in embed or "qpanels" in embed or "lm_head_panels" in params
-  return Qwen2(cfg, compute_dtype(params), int8, packed_table, fresh).apply(
+  return Qwen2(cfg, compute_dtype(params), int8, packed_table, fresh, greedy, vocab_limit).apply(
       {"params": params}, tokens, cache, logits_at, head)
 
 

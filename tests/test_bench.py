@@ -18,6 +18,7 @@ import jspec
 import tiny
 from bench import __main__ as bench_main
 from bench import derive
+from bench import engine
 from bench import kernel_ab
 from bench import memory
 from bench import modes as modes_lib
@@ -330,3 +331,19 @@ def test_roofline_compiles_one_forward_with_the_attention_kernel_and_one_without
 def test_roofline_refuses_bad_settings(args):
   with pytest.raises(SystemExit):
     roofline.main(args)
+
+
+def test_one_row_greedy_rounds_count_the_int8_heads_bytes():
+  target = modes_lib.Mode("target", "jspec", "target", {"method": "target"})
+  lookup = modes_lib.Mode("prompt_lookup", "jspec", "lookup", {"method": "prompt_lookup"})
+  stats = {"rounds": 4, "drafted": 5, "gamma_trace": [0, 3, 0, 2]}
+  assert engine.decode_bytes(target, stats, 100, None) == 400
+  assert engine.decode_bytes(target, stats, 100, None, one_row=40) == 160
+  assert engine.decode_bytes(lookup, stats, 100, None, one_row=40) == 2 * 100 + 2 * 40
+  bundle = tiny.packable_pair(3)
+  bundle.lay_out_target("packed")
+  params = bundle.target.params
+  full = memory.forward_bytes(params, False) - memory.param_bytes(params["greedy_head"])
+  one_row = engine.one_row_bytes(params, full)
+  head = params["lm_head_panels"].nbytes
+  assert one_row == full - head + memory.param_bytes(params["greedy_head"]) < full
