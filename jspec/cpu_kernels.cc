@@ -478,6 +478,38 @@ void RowTileF32S8(const float* x, const int8_t* panel, int64_t panel_stride, int
 }
 constexpr int64_t kRowPanelsF32S8 = 2;
 
+// y[m, 0:W] = sum_k x[m, k] * float(q[k, 0:W]) for m in [0, MR) and W = NV
+// vectors of one panel (`panel` and `y` may point into its middle): each
+// weight widened once for all MR rows, where `RowTileF32S8` row by row
+// would widen it MR times (the widening costs as much as the FMAs).
+template <int MR, int NV>
+void TileF32S8(const float* x, int64_t ldx, const int8_t* panel, int64_t k_size, float* y,
+               int64_t ldy) {
+  Vec acc[MR][NV];
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < NV; ++v) acc[m][v] = Vec{};
+  }
+  for (int64_t k = 0; k < k_size; ++k) {
+    Vec w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = WidenS8(panel + k * kPanel + v * kLanes);
+    for (int m = 0; m < MR; ++m) {
+      const float b = x[m * ldx + k];
+      for (int v = 0; v < NV; ++v) acc[m][v] += b * w[v];
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < NV; ++v) std::memcpy(y + m * ldy + v * kLanes, &acc[m][v], sizeof(Vec));
+  }
+}
+// Up to 4 rows x half a panel on AVX2 (8 accumulators, 2 weights: 16
+// registers hold them), a whole panel on AVX-512.
+constexpr int kRowsF32S8 = 4;
+constexpr int kVecsF32S8 = kLanes == 8 ? 2 : kVecs;
+using TileF32S8Fn = void (*)(const float*, int64_t, const int8_t*, int64_t, float*, int64_t);
+constexpr std::array<TileF32S8Fn, kRowsF32S8 + 1> kTilesF32S8 = {
+    nullptr, TileF32S8<1, kVecsF32S8>, TileF32S8<2, kVecsF32S8>, TileF32S8<3, kVecsF32S8>,
+    TileF32S8<4, kVecsF32S8>};
+
 using S8Panels = ffi::Buffer<ffi::S8, 3>;
 
 ffi::Error GemmF32S8(ffi::ThreadPool pool, Matrix x, S8Panels w, ffi::Result<Matrix> y) {
@@ -492,19 +524,27 @@ ffi::Error GemmF32S8(ffi::ThreadPool pool, Matrix x, S8Panels w, ffi::Result<Mat
   const int8_t* wp = w.typed_data();
   float* yp = y->typed_data();
   const int64_t m_size = xd[0], k_size = xd[1], n_size = yd[1], stride = k_size * kPanel;
+  if (m_size > 1) {  // row tiles over each panel's column slices, each weight widened once
+    ForEachPanel(pool, wd[0], [=](int64_t p) {
+      for (int64_t m0 = 0; m0 < m_size; m0 += kRowsF32S8) {
+        const int64_t rows = std::min<int64_t>(kRowsF32S8, m_size - m0);
+        for (int64_t c = 0; c < kPanel; c += kVecsF32S8 * kLanes) {
+          kTilesF32S8[rows](xp + m0 * k_size, k_size, wp + p * stride + c, k_size,
+                            yp + m0 * n_size + p * kPanel + c, n_size);
+        }
+      }
+    });
+    return ffi::Error::Success();
+  }
   const int64_t sets = (wd[0] + kRowPanelsF32S8 - 1) / kRowPanelsF32S8;
   ForEachPanel(pool, sets, [=](int64_t set) {
     const int64_t p0 = set * kRowPanelsF32S8;
-    for (int64_t m = 0; m < m_size; ++m) {  // later rows find the panels in cache
-      if (p0 + kRowPanelsF32S8 <= wd[0]) {
-        RowTileF32S8<kRowPanelsF32S8>(xp + m * k_size, wp + p0 * stride, stride, k_size,
-                                      yp + m * n_size + p0 * kPanel);
-        continue;
-      }
-      for (int64_t p = p0; p < wd[0]; ++p) {  // the last panel of an odd count
-        RowTileF32S8<1>(xp + m * k_size, wp + p * stride, stride, k_size,
-                        yp + m * n_size + p * kPanel);
-      }
+    if (p0 + kRowPanelsF32S8 <= wd[0]) {
+      RowTileF32S8<kRowPanelsF32S8>(xp, wp + p0 * stride, stride, k_size, yp + p0 * kPanel);
+      return;
+    }
+    for (int64_t p = p0; p < wd[0]; ++p) {  // the last panel of an odd count
+      RowTileF32S8<1>(xp, wp + p * stride, stride, k_size, yp + p * kPanel);
     }
   });
   return ffi::Error::Success();

@@ -27,9 +27,9 @@ included (the lowest id wins in both).
 `logits` returns those exact logits at the candidates and -inf elsewhere,
 which `sampling.probs` turns into the same one-hot as the full logits. If
 more than `capacity` tokens are candidates in a call (never on the bench's
-prompts with the real target: at most 15 over 1536 steps, README "Design
-measurements"), it computes the full head instead, so the result is exact
-every time. The cost where it helps: the int8 pass reads 0.23 GB, and the
+prompts with the real target: at most 16 over 1536 steps, `python -m
+bench.head_candidates`), it computes the full head instead, so the result
+is exact every time. The cost where it helps: the int8 pass reads 0.23 GB, and the
 candidates' rows a few hundred KB.
 """
 
@@ -125,6 +125,31 @@ def applies(rows: int, panels: jax.Array) -> bool:
           and jax.default_backend() == "cpu")
 
 
+def candidates(x: jax.Array, head: dict[str, jax.Array],
+               vocab_limit: int | None = None) -> jax.Array:
+  """Which tokens could be each row's argmax, from the int8 pass and the bounds.
+
+  Args:
+    x: [N, D] float32 normed hidden states.
+    head: `make` of the float32 head.
+    vocab_limit: ids at or past it are never chosen.
+
+  Returns:
+    [N, V] bool: True where the token's upper bound reaches the row's best
+    lower bound (among ids below vocab_limit); every token whose float32
+    logit equals the row's maximum is among them.
+  """
+  v = head["scale"].shape[0]
+  estimate = cpu_kernels.matmul_f32s8(x, head["qpanels"]) * head["scale"]  # [N, V]
+  # ||x|| in float32 is within (D + 2) u of the real norm: 1e-3 covers it.
+  # The second term keeps the bound through a + e and a - e rounding in float32.
+  norm = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True)) * (1 + 1e-3)  # [N, 1]
+  err = norm * head["bound"] * (1 + 2.0**-10) + 2.0**-20 * jnp.abs(estimate)  # [N, V]
+  valid = jnp.arange(v) < (v if vocab_limit is None else vocab_limit)  # [V]
+  best = jnp.max(jnp.where(valid, estimate - err, -jnp.inf), axis=-1, keepdims=True)  # [N, 1]
+  return valid & (estimate + err >= best)
+
+
 def logits(x: jax.Array, panels: jax.Array, head: dict[str, jax.Array],
            vocab_limit: int | None = None, capacity: int = CAPACITY) -> jax.Array:
   """Logits that give every row the float32 head's argmax: exact where it could be, -inf elsewhere.
@@ -145,14 +170,7 @@ def logits(x: jax.Array, panels: jax.Array, head: dict[str, jax.Array],
   n, d = x.shape
   p, _, width = panels.shape
   v = p * width
-  estimate = cpu_kernels.matmul_f32s8(x, head["qpanels"]) * head["scale"]  # [N, V]
-  # ||x|| in float32 is within (D + 2) u of the real norm: 1e-3 covers it.
-  # The second line keeps the bound through a + e and a - e rounding in float32.
-  norm = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True)) * (1 + 1e-3)  # [N, 1]
-  err = norm * head["bound"] * (1 + 2.0**-10) + 2.0**-20 * jnp.abs(estimate)  # [N, V]
-  valid = jnp.arange(v) < (v if vocab_limit is None else vocab_limit)  # [V]
-  best = jnp.max(jnp.where(valid, estimate - err, -jnp.inf), axis=-1, keepdims=True)  # [N, 1]
-  candidate = valid & jnp.any(estimate + err >= best, axis=0)  # [V], over all rows
+  candidate = jnp.any(candidates(x, head, vocab_limit), axis=0)  # [V], over all rows
   ids = jnp.nonzero(candidate, size=capacity, fill_value=0)[0]  # [C]; id 0 pads (exact too)
   rows = panels[ids // width, :, ids % width]  # [C, D] float32
   own = rows.reshape(capacity // width, width, d).transpose(0, 2, 1)  # [C/32, D, 32]

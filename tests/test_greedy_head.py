@@ -28,10 +28,11 @@ def _table(seed: int = 0) -> jax.Array:
           .at[9].set(jnp.nextafter(row, jnp.float32(1))))  # the same row, one ulp up per weight
 
 
-def test_the_kernel_multiplies_float_rows_by_int8_panels():
-  x = jax.random.normal(jax.random.key(1), (3, D))
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6])
+def test_the_kernel_multiplies_float_rows_by_int8_panels(m):
+  x = jax.random.normal(jax.random.key(m), (m, D))
   q = jax.random.randint(jax.random.key(2), (5, D, 32), -127, 128).astype(jnp.int8)
-  want = jnp.einsum("mk,pkw->mpw", x, q.astype(jnp.float32)).reshape(3, 160)
+  want = jnp.einsum("mk,pkw->mpw", x, q.astype(jnp.float32)).reshape(m, 160)
   np.testing.assert_allclose(cpu_kernels.matmul_f32s8(x, q), want, rtol=1e-5, atol=1e-3)
 
 
