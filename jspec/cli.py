@@ -29,6 +29,7 @@ from jspec import api
 from jspec import cpu_kernels
 from jspec import decode
 from jspec import fetch
+from jspec import greedy_head
 from jspec import loading
 from jspec import model
 
@@ -266,7 +267,8 @@ def _cpu_kernels() -> dict[str, Any]:
   built = cpu_kernels.available()
   return {"built": built, "reason": cpu_kernels.unavailable_reason(),
           "int8": cpu_kernels.int8_kind(), "layer_loop": built and model.SCAN_LAYERS,
-          "attention": built and model.SCAN_LAYERS and model.FUSED_ATTENTION}
+          "attention": built and model.SCAN_LAYERS and model.FUSED_ATTENTION,
+          "greedy_head": built and greedy_head.ENABLED}
 
 
 def _info(args) -> int:
@@ -287,7 +289,8 @@ def _info(args) -> int:
   if kernels and kernels["built"]:
     print(f"cpu kernels: built (int8: {kernels['int8'] or 'XLA'}); layer loop "
           f"{'on' if kernels['layer_loop'] else 'off (JSPEC_SCAN_LAYERS=0)'}, attention kernel "
-          f"{'on' if kernels['attention'] else 'off (JSPEC_FUSED_ATTENTION=0 or the loop off)'}")
+          f"{'on' if kernels['attention'] else 'off (JSPEC_FUSED_ATTENTION=0 or the loop off)'}, "
+          f"greedy head {'on' if kernels['greedy_head'] else 'off (JSPEC_GREEDY_HEAD=0)'}")
   elif kernels:
     print(f"cpu kernels: not built ({kernels['reason']}); XLA's dot and attention instead")
   moved = os.environ.get("JSPEC_CACHE")

@@ -179,12 +179,35 @@ constexpr int64_t kRowPanels = 1;
 constexpr int64_t kRowPanels = 2;
 #endif
 
+// kLanes int8 weights widened to a Vec of floats. With AVX2 as intrinsics:
+// GCC 12 scalarised `__builtin_convertvector` from an 8-byte vector (a
+// panel took 2.1x the float kernel's time instead of less).
+inline Vec WidenS8(const int8_t* q) {
+#if defined(__AVX512F__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+#else
+  Vec f;
+  for (int i = 0; i < kLanes; ++i) f[i] = static_cast<float>(q[i]);
+#endif
+  Vec out;
+  std::memcpy(&out, &f, sizeof(Vec));
+  return out;
+}
+
+// kLanes weights of a panel row as floats: read, or widened from int8.
+inline Vec Load(const float* w) { return *reinterpret_cast<const VecU*>(w); }
+inline Vec Load(const int8_t* q) { return WidenS8(q); }
+
 // y[0, 32p : 32p + 32] = sum_k x[0, k] * panel_p[k, 0:32] for p in [0, NP),
-// where panel_p starts at panel + p * panel_stride: the same FMAs in the
-// same order as Tile<1> on each panel, so the output is bit for bit the same.
-template <int NP>
-void RowTile(const float* x, const float* panel, int64_t panel_stride, int64_t k_size,
-             float* y) {
+// where panel_p starts at panel + p * panel_stride: for float panels the
+// same FMAs in the same order as Tile<1> on each panel, so the output is
+// bit for bit the same; int8 panels (`jspec_gemm_f32s8`) widen to float.
+template <int NP, typename T = float>
+void RowTile(const float* x, const T* panel, int64_t panel_stride, int64_t k_size, float* y) {
   Vec acc[NP][kVecs];
   for (int p = 0; p < NP; ++p) {
     for (int v = 0; v < kVecs; ++v) acc[p][v] = Vec{};
@@ -192,8 +215,8 @@ void RowTile(const float* x, const float* panel, int64_t panel_stride, int64_t k
   for (int64_t k = 0; k < k_size; ++k) {
     const float b = x[k];
     for (int p = 0; p < NP; ++p) {
-      const float* row = panel + p * panel_stride + k * kPanel;
-      for (int v = 0; v < kVecs; ++v) acc[p][v] += b * *reinterpret_cast<const VecU*>(row + v * kLanes);
+      const T* row = panel + p * panel_stride + k * kPanel;
+      for (int v = 0; v < kVecs; ++v) acc[p][v] += b * Load(row + v * kLanes);
     }
   }
   for (int p = 0; p < NP; ++p) {
@@ -370,11 +393,17 @@ constexpr bool kHaveS8 = false;
 using Matrix = ffi::Buffer<ffi::F32, 2>;  // aliases: the handler macro splits on commas
 using Panels = ffi::Buffer<ffi::F32, 3>;
 
+// Whether x [M, K], w [N/32, K, 32] and y [M, N] agree (the float kernels' shapes).
+template <typename XDims, typename WDims, typename YDims>
+bool PanelShapes(const XDims& xd, const WDims& wd, const YDims& yd) {
+  return wd[2] == kPanel && wd[1] == xd[1] && yd[0] == xd[0] && yd[1] == wd[0] * kPanel;
+}
+
 ffi::Error GemmF32(ffi::ThreadPool pool, Matrix x, Panels w, ffi::Result<Matrix> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto yd = y->dimensions();
-  if (wd[2] != kPanel || wd[1] != xd[1] || yd[0] != xd[0] || yd[1] != wd[0] * kPanel) {
+  if (!PanelShapes(xd, wd, yd)) {
     return ffi::Error::InvalidArgument(
         "jspec_gemm_f32: expected x [M, K], w [N/32, K, 32] and y [M, N]");
   }
@@ -432,55 +461,13 @@ ffi::Error GemmF32(ffi::ThreadPool pool, Matrix x, Panels w, ffi::Result<Matrix>
   return ffi::Error::Success();
 }
 
-// y[m, 32p : 32p + 32] = sum_k x[m, k] * float(q_p[k, 0:32]) for NP panels in
-// step (panel_p at panel + p * panel_stride, [K, 32] int8 each): one row at a
-// time, each over the panels as `RowTile` goes over float ones, so that a
-// core reads NP streams. The int8 lanes widen to float in registers
-// (`vpmovsxbd` + `vcvtdq2ps` on AVX2).
-// kLanes int8 weights widened to a Vec of floats. With AVX2 as intrinsics:
-// GCC 12 scalarised `__builtin_convertvector` from an 8-byte vector (a
-// panel took 2.1x the float kernel's time instead of less).
-inline Vec WidenS8(const int8_t* q) {
-#if defined(__AVX512F__)
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-#elif defined(__AVX2__)
-  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
-  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-#else
-  Vec f;
-  for (int i = 0; i < kLanes; ++i) f[i] = static_cast<float>(q[i]);
-#endif
-  Vec out;
-  std::memcpy(&out, &f, sizeof(Vec));
-  return out;
-}
-
-template <int NP>
-void RowTileF32S8(const float* x, const int8_t* panel, int64_t panel_stride, int64_t k_size,
-                  float* y) {
-  Vec acc[NP][kVecs];
-  for (int p = 0; p < NP; ++p) {
-    for (int v = 0; v < kVecs; ++v) acc[p][v] = Vec{};
-  }
-  for (int64_t k = 0; k < k_size; ++k) {
-    const float b = x[k];
-    for (int p = 0; p < NP; ++p) {
-      const int8_t* row = panel + p * panel_stride + k * kPanel;
-      for (int v = 0; v < kVecs; ++v) {
-        acc[p][v] += b * WidenS8(row + v * kLanes);
-      }
-    }
-  }
-  for (int p = 0; p < NP; ++p) {
-    for (int v = 0; v < kVecs; ++v) std::memcpy(y + p * kPanel + v * kLanes, &acc[p][v], sizeof(Vec));
-  }
-}
+// jspec_gemm_f32s8: one row goes over two int8 panels in step (`RowTile`,
+// two streams per core, as the float one-row product); more rows in tiles.
 constexpr int64_t kRowPanelsF32S8 = 2;
 
 // y[m, 0:W] = sum_k x[m, k] * float(q[k, 0:W]) for m in [0, MR) and W = NV
 // vectors of one panel (`panel` and `y` may point into its middle): each
-// weight widened once for all MR rows, where `RowTileF32S8` row by row
+// weight widened once for all MR rows, where `RowTile` row by row
 // would widen it MR times (the widening costs as much as the FMAs).
 template <int MR, int NV>
 void TileF32S8(const float* x, int64_t ldx, const int8_t* panel, int64_t k_size, float* y,
@@ -516,7 +503,7 @@ ffi::Error GemmF32S8(ffi::ThreadPool pool, Matrix x, S8Panels w, ffi::Result<Mat
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto yd = y->dimensions();
-  if (wd[2] != kPanel || wd[1] != xd[1] || yd[0] != xd[0] || yd[1] != wd[0] * kPanel) {
+  if (!PanelShapes(xd, wd, yd)) {
     return ffi::Error::InvalidArgument(
         "jspec_gemm_f32s8: expected x [M, K] f32, w [N/32, K, 32] s8 and y [M, N]");
   }
@@ -540,11 +527,11 @@ ffi::Error GemmF32S8(ffi::ThreadPool pool, Matrix x, S8Panels w, ffi::Result<Mat
   ForEachPanel(pool, sets, [=](int64_t set) {
     const int64_t p0 = set * kRowPanelsF32S8;
     if (p0 + kRowPanelsF32S8 <= wd[0]) {
-      RowTileF32S8<kRowPanelsF32S8>(xp, wp + p0 * stride, stride, k_size, yp + p0 * kPanel);
+      RowTile<kRowPanelsF32S8>(xp, wp + p0 * stride, stride, k_size, yp + p0 * kPanel);
       return;
     }
     for (int64_t p = p0; p < wd[0]; ++p) {  // the last panel of an odd count
-      RowTileF32S8<1>(xp, wp + p * stride, stride, k_size, yp + p * kPanel);
+      RowTile<1>(xp, wp + p * stride, stride, k_size, yp + p * kPanel);
     }
   });
   return ffi::Error::Success();

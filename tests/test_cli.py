@@ -20,6 +20,7 @@ from jspec import api
 from jspec import cli
 from jspec import cpu_kernels
 from jspec import fetch
+from jspec import greedy_head
 from jspec import loading
 from jspec import model as jspec_model
 from jspec import tokenizer as tokenizer_lib
@@ -353,7 +354,8 @@ def test_info_says_which_cpu_kernels_run(capsys, monkeypatch):
   if not cpu_kernels.available():
     pytest.skip(f"kernels unavailable: {cpu_kernels.unavailable_reason()}")
   code, out, _ = _run(capsys, ["info"])
-  assert code == 0 and re.search(r"cpu kernels: built .*layer loop on, attention kernel on", out)
+  assert code == 0 and re.search(
+      r"cpu kernels: built .*layer loop on, attention kernel on, greedy head on", out)
   monkeypatch.setattr(jspec_model, "FUSED_ATTENTION", False)
   code, out, _ = _run(capsys, ["info"])
   assert "attention kernel off (JSPEC_FUSED_ATTENTION=0 or the loop off)" in out
@@ -365,6 +367,9 @@ def test_info_says_which_cpu_kernels_run(capsys, monkeypatch):
   code, out, _ = _run(capsys, ["info", "--json"])
   assert json.loads(out)["cpu_kernels"] == {**json.loads(out)["cpu_kernels"], "layer_loop": False,
                                             "attention": False}
+  monkeypatch.setattr(greedy_head, "ENABLED", False)
+  code, out, _ = _run(capsys, ["info"])
+  assert "greedy head off (JSPEC_GREEDY_HEAD=0)" in out
 
 
 def test_convert_delegates(capsys, pair, tmp_path):
