@@ -89,6 +89,29 @@ constexpr int64_t kVecs = kPanel / kLanes;
 typedef float Vec __attribute__((vector_size(4 * kLanes)));
 typedef float VecU __attribute__((vector_size(4 * kLanes), aligned(4)));  // unaligned load
 
+// kLanes int8 weights widened to a Vec of floats. With AVX2 as intrinsics:
+// GCC 12 scalarised `__builtin_convertvector` from an 8-byte vector (a
+// panel took 2.1x the float kernel's time instead of less).
+inline Vec WidenS8(const int8_t* q) {
+#if defined(__AVX512F__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+#else
+  Vec f;
+  for (int i = 0; i < kLanes; ++i) f[i] = static_cast<float>(q[i]);
+#endif
+  Vec out;
+  std::memcpy(&out, &f, sizeof(Vec));
+  return out;
+}
+
+// kLanes weights of a panel row as floats: read, or widened from int8.
+inline Vec Load(const float* w) { return *reinterpret_cast<const VecU*>(w); }
+inline Vec Load(const int8_t* q) { return WidenS8(q); }
+
 // y[m, 0:W] = sum_k x[m, k] * panel[k, 0:W] for m in [0, MR) and W = NV
 // vectors (a whole panel, or with NV < kVecs the first W columns of one:
 // `panel` and `y` may point into the middle of a panel row), or with
@@ -97,9 +120,10 @@ typedef float VecU __attribute__((vector_size(4 * kLanes), aligned(4)));  // una
 // With PF > 0, next's first ceil(k_size / PF) cache lines are prefetched into
 // L2, one every PF k (a template argument: a run-time test in the loop made
 // GCC hold the weights in registers and spill an accumulator, 1.2x slower
-// at 33 rows).
-template <int MR, int NV = kVecs, int PF = 0>
-void Tile(const float* x, int64_t ldx, const float* panel, int64_t k_size, float* y,
+// at 33 rows). An int8 panel (T = int8_t, `jspec_gemm_f32s8`) has each
+// weight widened once for all MR rows.
+template <int MR, int NV = kVecs, int PF = 0, typename T = float>
+void Tile(const float* x, int64_t ldx, const T* panel, int64_t k_size, float* y,
           int64_t ldy, bool accumulate, const float* next = nullptr) {
   Vec acc[MR][NV];
   for (int m = 0; m < MR; ++m) {
@@ -112,9 +136,9 @@ void Tile(const float* x, int64_t ldx, const float* panel, int64_t k_size, float
     }
   }
   for (int64_t k = 0; k < k_size; ++k) {
-    const float* row = panel + k * kPanel;
+    const T* row = panel + k * kPanel;
     Vec w[NV];
-    for (int v = 0; v < NV; ++v) w[v] = *reinterpret_cast<const VecU*>(row + v * kLanes);
+    for (int v = 0; v < NV; ++v) w[v] = Load(row + v * kLanes);
     // 16 rows (2 KiB) ahead: the hardware prefetcher alone leaves the FMAs
     // waiting at the start of every panel. One line per 16 floats read.
     for (int v = 0; v < NV * kLanes; v += 16) __builtin_prefetch(row + 16 * kPanel + v, 0, 3);
@@ -178,29 +202,6 @@ constexpr int64_t kRowPanels = 1;
 #else
 constexpr int64_t kRowPanels = 2;
 #endif
-
-// kLanes int8 weights widened to a Vec of floats. With AVX2 as intrinsics:
-// GCC 12 scalarised `__builtin_convertvector` from an 8-byte vector (a
-// panel took 2.1x the float kernel's time instead of less).
-inline Vec WidenS8(const int8_t* q) {
-#if defined(__AVX512F__)
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-#elif defined(__AVX2__)
-  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
-  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-#else
-  Vec f;
-  for (int i = 0; i < kLanes; ++i) f[i] = static_cast<float>(q[i]);
-#endif
-  Vec out;
-  std::memcpy(&out, &f, sizeof(Vec));
-  return out;
-}
-
-// kLanes weights of a panel row as floats: read, or widened from int8.
-inline Vec Load(const float* w) { return *reinterpret_cast<const VecU*>(w); }
-inline Vec Load(const int8_t* q) { return WidenS8(q); }
 
 // y[0, 32p : 32p + 32] = sum_k x[0, k] * panel_p[k, 0:32] for p in [0, NP),
 // where panel_p starts at panel + p * panel_stride: for float panels the
@@ -465,37 +466,17 @@ ffi::Error GemmF32(ffi::ThreadPool pool, Matrix x, Panels w, ffi::Result<Matrix>
 // two streams per core, as the float one-row product); more rows in tiles.
 constexpr int64_t kRowPanelsF32S8 = 2;
 
-// y[m, 0:W] = sum_k x[m, k] * float(q[k, 0:W]) for m in [0, MR) and W = NV
-// vectors of one panel (`panel` and `y` may point into its middle): each
-// weight widened once for all MR rows, where `RowTile` row by row
-// would widen it MR times (the widening costs as much as the FMAs).
-template <int MR, int NV>
-void TileF32S8(const float* x, int64_t ldx, const int8_t* panel, int64_t k_size, float* y,
-               int64_t ldy) {
-  Vec acc[MR][NV];
-  for (int m = 0; m < MR; ++m) {
-    for (int v = 0; v < NV; ++v) acc[m][v] = Vec{};
-  }
-  for (int64_t k = 0; k < k_size; ++k) {
-    Vec w[NV];
-    for (int v = 0; v < NV; ++v) w[v] = WidenS8(panel + k * kPanel + v * kLanes);
-    for (int m = 0; m < MR; ++m) {
-      const float b = x[m * ldx + k];
-      for (int v = 0; v < NV; ++v) acc[m][v] += b * w[v];
-    }
-  }
-  for (int m = 0; m < MR; ++m) {
-    for (int v = 0; v < NV; ++v) std::memcpy(y + m * ldy + v * kLanes, &acc[m][v], sizeof(Vec));
-  }
-}
-// Up to 4 rows x half a panel on AVX2 (8 accumulators, 2 weights: 16
-// registers hold them), a whole panel on AVX-512.
+// More rows: `Tile` over int8 panels, each weight widened once for all its
+// rows (row by row, `RowTile` would widen it once per row, and widening costs
+// as much as the FMAs). Up to 4 rows x half a panel on AVX2 (8 accumulators
+// and 2 weights in its 16 registers), a whole panel on AVX-512.
 constexpr int kRowsF32S8 = 4;
 constexpr int kVecsF32S8 = kLanes == 8 ? 2 : kVecs;
-using TileF32S8Fn = void (*)(const float*, int64_t, const int8_t*, int64_t, float*, int64_t);
+using TileF32S8Fn = void (*)(const float*, int64_t, const int8_t*, int64_t, float*, int64_t, bool,
+                            const float*);
 constexpr std::array<TileF32S8Fn, kRowsF32S8 + 1> kTilesF32S8 = {
-    nullptr, TileF32S8<1, kVecsF32S8>, TileF32S8<2, kVecsF32S8>, TileF32S8<3, kVecsF32S8>,
-    TileF32S8<4, kVecsF32S8>};
+    nullptr, Tile<1, kVecsF32S8, 0, int8_t>, Tile<2, kVecsF32S8, 0, int8_t>,
+    Tile<3, kVecsF32S8, 0, int8_t>, Tile<4, kVecsF32S8, 0, int8_t>};
 
 using S8Panels = ffi::Buffer<ffi::S8, 3>;
 
@@ -517,7 +498,7 @@ ffi::Error GemmF32S8(ffi::ThreadPool pool, Matrix x, S8Panels w, ffi::Result<Mat
         const int64_t rows = std::min<int64_t>(kRowsF32S8, m_size - m0);
         for (int64_t c = 0; c < kPanel; c += kVecsF32S8 * kLanes) {
           kTilesF32S8[rows](xp + m0 * k_size, k_size, wp + p * stride + c, k_size,
-                            yp + m0 * n_size + p * kPanel + c, n_size);
+                            yp + m0 * n_size + p * kPanel + c, n_size, false, nullptr);
         }
       }
     });
