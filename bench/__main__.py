@@ -79,6 +79,9 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                     help="stop at EOS on both sides (default: EOS disabled on both, so every "
                          "generation is --max-new-tokens long)")
   what.add_argument("--no-hf", action="store_true", help="skip the HF transformers peers")
+  what.add_argument("--no-bracket", action="store_true",
+                    help="do not time jspec target-only again after the HF peers (by default "
+                         "it is, and the ratio to HF target-only uses the mean of both times)")
   models = p.add_argument_group("models")
   models.add_argument("--model", default="qwen2.5-coder", help="known pair (default qwen2.5-coder)")
   models.add_argument("--target", help="target checkpoint path (GGUF, HF dir or jspec file)")

@@ -126,7 +126,11 @@ def verdicts(doc: dict[str, Any]) -> str:
     for name, t in tg.items():
       if isinstance(t, dict):
         state = {True: "met", False: "NOT met", None: "n/a"}[t["met"]]
-        lines.append(f"  {name}: {_fmt(t['value'], '.3g')} (goal {t['goal']}) {state}")
+        how = ""
+        if t.get("bracketed"):
+          how = (f" [jspec timed before and after the HF phase, the mean; before only: "
+                 f"{_fmt(t.get('before_hf_only'), '.3g')}]")
+        lines.append(f"  {name}: {_fmt(t['value'], '.3g')} (goal {t['goal']}) {state}{how}")
       else:
         lines.append(f"  {name}: {t}")
   return "\n".join(lines)

@@ -248,21 +248,25 @@ def _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order) -> bool:
   return doc["gate"]["passed"] or opts.allow_mismatch
 
 
-def _hf_phase(opts, doc, out, chosen, prompt_list, order) -> None:
-  """Runs the HF peers in a child for every prompt that lacks one of their records."""
+def _hf_phase(opts, doc, out, chosen, prompt_list, order) -> list[str]:
+  """Runs the HF peers in a child for every prompt that lacks one of their records.
+
+  Returns:
+    The prompts whose HF target-only record this call measured.
+  """
   hmodes = [m.name for m in chosen if m.engine == "hf"]
   if opts.random_weights:
     hmodes = [m for m in hmodes if m == "hf_target"]  # acceptance ~0: assisted says nothing
   todo = [p for p in prompt_list if p.name in doc["prompts"]
           and any(not results.has(doc, p.name, m) for m in hmodes)]
   if not hmodes or not todo:
-    return
+    return []
   source = doc["models"].get("hf_source")
   reason = doc["models"].get("hf_skip_reason")
   if source is None:
     _log(f"skipping the HF peers: {reason}")
     doc["hf"] = {"skipped": reason}
-    return
+    return []
   device = "cuda" if opts.device == "gpu" or (opts.device == "auto" and _on_gpu()) else "cpu"
   eos = (doc["models"].get("eos_token_ids") or None) if opts.stop_at_eos else None
   job = peers.job(source, [{"name": p.name, "ids": doc["prompts"][p.name]["prompt_ids"]}
@@ -270,6 +274,7 @@ def _hf_phase(opts, doc, out, chosen, prompt_list, order) -> None:
                   device, eos)
   _log(f"HF peers ({', '.join(hmodes)}) on {len(todo)} prompts, in a child process")
   hf = doc.setdefault("hf", {})
+  measured = []
   try:
     for msg in peers.run(job, out.parent):
       if msg["type"] == "load":
@@ -277,6 +282,8 @@ def _hf_phase(opts, doc, out, chosen, prompt_list, order) -> None:
         _log(f"HF models loaded ({msg['target_load_s']:.0f}s + {msg['draft_load_s'] or 0:.0f}s)")
       elif msg["type"] == "record":
         results.put(doc, msg["prompt"], msg["mode"], msg["record"])
+        if msg["mode"] == "hf_target":
+          measured.append(msg["prompt"])
         base = doc["prompts"][msg["prompt"]]["modes"].get("target")
         _progress("[HF] ", msg["prompt"], msg["mode"], msg["record"], base)
         results.finalize(doc, order)
@@ -286,6 +293,65 @@ def _hf_phase(opts, doc, out, chosen, prompt_list, order) -> None:
   except RuntimeError as e:  # the peers failed (no CUDA torch, out of memory): keep jspec's figures
     _log(f"the HF peers failed: {e}; their traceback is above")
     hf["error"] = str(e)
+  return measured
+
+
+def _target_after_hf(opts, doc, out, chosen, measured, order) -> None:
+  """Times jspec target-only again after the HF phase, on the prompts HF target-only ran.
+
+  The HF peers run after the whole jspec phase, 20 minutes or more later,
+  on a machine whose speed moves by a third over minutes (`_bracket`); a
+  ratio of two figures taken that far apart is as much the machine's drift
+  as the engines'. Timed on both sides of the HF phase, jspec's target-only
+  speed while HF ran is estimated by the mean of the two
+  (`results.ratios`: speedup_vs_hf_target_bracketed). The target is loaded
+  again (the jspec phase freed it for the HF child), laid out, compiled and
+  warmed up as before; its ids must equal the first measurement's (the gate).
+
+  Args:
+    opts: the run's options.
+    doc: the document (changed in place: target records get "after_hf").
+    out: the results path (written after each prompt).
+    chosen: the run's modes.
+    measured: the prompts whose HF target-only record this run measured.
+    order: mode names in report order.
+  """
+  target = next((m for m in chosen if m.name == "target"), None)
+  todo = [p for p in measured if target is not None
+          and "target" in doc["prompts"].get(p, {}).get("modes", {})]
+  if not todo or opts.no_bracket:
+    return
+  _log(f"jspec target-only again after the HF peers, on {len(todo)} prompts (the bracket)")
+  loaded = models.load(opts.model, opts.target, opts.draft, opts.dtype, opts.random_weights,
+                       opts.smoke)
+  t_bytes = loaded.info["target"]["forward_bytes"]
+  last_read = _bandwidth_read(opts)
+  for name in todo:
+    entry = doc["prompts"][name]
+    before = last_read
+    rec = engine.run_modes(loaded.bundle, entry["prompt_ids"], [target], opts.max_new_tokens,
+                           opts.reps, opts.stop_at_eos, t_bytes, {"target": None})["target"]
+    api.release_programs()
+    memory.release_freed()
+    last_read = _bandwidth_read(opts)
+    first = entry["modes"]["target"]
+    first["after_hf"] = {
+        **{k: rec.get(k) for k in ("tokens_per_s", "decode_tokens_per_s", "prefill_s",
+                                   "decode_s", "round_s", "reps", "reps_identical")},
+        "token_ids_equal": rec["token_ids"] == first["token_ids"],
+        "bandwidth": _bracket(before, last_read)}
+    results.finalize(doc, order)
+    results.write(doc, out)
+    _log(f"[after HF] {name}: target {rec['tokens_per_s']:.2f} tok/s (first "
+         f"{first['tokens_per_s']:.2f}); x hf "
+         f"{_fmt_ratio(first.get('speedup_vs_hf_target_bracketed'))} bracketed")
+  del loaded
+  gc.collect()
+  memory.release_freed()
+
+
+def _fmt_ratio(value: Optional[float]) -> str:
+  return "-" if value is None else f"{value:.2f}"
 
 
 def _compilation_cache_dir() -> Optional[str]:
@@ -349,8 +415,12 @@ def run(opts: argparse.Namespace, argv: Optional[list[str]] = None) -> int:
   ok = _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order)
   lap("jspec")
   if ok:
-    _hf_phase(opts, doc, out, chosen, prompt_list, order)
-  lap("hf")
+    measured = _hf_phase(opts, doc, out, chosen, prompt_list, order)
+    lap("hf")
+    _target_after_hf(opts, doc, out, chosen, measured, order)
+    lap("target_after_hf")
+  else:
+    lap("hf")
   if hist_doc is not None:
     derive.apply(doc, hist_doc, str(opts.histograms))
   order = _mode_order(doc, chosen)

@@ -70,6 +70,15 @@ def test_smoke_run_writes_every_figure(smoke_run):
     assert spec["new_tokens"] == 16 and entry["modes"]["hf_target"]["new_tokens"] == 16
     assert entry["modes"]["target"]["speedup_vs_target"] == pytest.approx(1.0)
   assert doc["summary"]["spec_g2"]["prompts"] == 1
+  # jspec target-only is timed again after the HF phase, and the ratio to
+  # HF target-only takes the mean of both times.
+  target = doc["prompts"]["quicksort"]["modes"]["target"]
+  after = target["after_hf"]
+  assert after["token_ids_equal"] and len(after["reps"]) == doc["settings"]["reps"]
+  assert target["bracketed_tokens_per_s"] == pytest.approx(
+      (target["tokens_per_s"] + after["tokens_per_s"]) / 2)
+  assert doc["targets"]["target_speedup_vs_hf_target"]["bracketed"]
+  assert "target_after_hf" in doc["runs"][-1]["phases_s"]
   for path in doc["plots"]:
     with open(path, "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -238,6 +247,35 @@ def test_gate_and_agreement_on_a_hand_made_document():
   assert doc["hf_agreement"]["p"]["hf_target"] == {"equal": False, "agree_len": 2, "length": 3}
   assert doc["prompts"]["p"]["modes"]["spec_g1"]["speedup_vs_target"] == pytest.approx(1.5)
   assert doc["prompts"]["p"]["modes"]["spec_g1"]["speedup_vs_hf_target"] == pytest.approx(3.0)
+
+
+def test_the_hf_ratio_is_bracketed_by_target_only_timed_before_and_after_hf():
+  # HF runs 20 minutes after jspec's phase on a machine whose speed drifts:
+  # jspec's target-only is timed on both sides, and the mean meets HF's.
+  doc = results.new({"prompts": ["p"]})
+  doc["prompts"]["p"] = {"kind": "code", "modes": {
+      "target": {"engine": "jspec", "token_ids": [1, 2], "tokens_per_s": 3.0,
+                 "after_hf": {"tokens_per_s": 5.0, "token_ids_equal": True}},
+      "hf_target": {"engine": "hf", "token_ids": [1, 2], "tokens_per_s": 2.0}}}
+  results.finalize(doc, ["target", "hf_target"])
+  target = doc["prompts"]["p"]["modes"]["target"]
+  assert target["speedup_vs_hf_target"] == pytest.approx(1.5)  # before HF only
+  assert target["after_hf"]["speedup_vs_hf_target"] == pytest.approx(2.5)
+  assert target["speedup_vs_hf_target_bracketed"] == pytest.approx(2.0)
+  verdict = doc["targets"]["target_speedup_vs_hf_target"]
+  assert verdict["value"] == pytest.approx(2.0) and verdict["met"] and verdict["bracketed"]
+  assert verdict["before_hf_only"] == pytest.approx(1.5)
+  assert doc["gate"]["passed"]
+  # Other ids after HF fail the gate; without the second timing the verdict
+  # is the single-phase ratio.
+  target["after_hf"]["token_ids_equal"] = False
+  results.finalize(doc, ["target", "hf_target"])
+  assert [m["reason"] for m in doc["gate"]["mismatches"]] == [
+      "timed again after the HF peers, it gave other ids"]
+  del target["after_hf"]
+  results.finalize(doc, ["target", "hf_target"])
+  verdict = doc["targets"]["target_speedup_vs_hf_target"]
+  assert verdict["value"] == pytest.approx(1.5) and not verdict["bracketed"]
 
 
 def test_the_compile_target_counts_every_speculative_program_lookup_included():
