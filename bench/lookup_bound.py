@@ -3,21 +3,28 @@
     python -m bench.lookup_bound RESULTS.json [--prompts edit_type_hints] [--gamma 16]
 
 Greedy prompt lookup is deterministic given the target's output: each round
-drafts what followed the latest earlier occurrence of the last n tokens
-(`jspec.drafters.prompt_lookup`), the target accepts the drafts up to the
-first that differs from its own next token, and emits one more. So the
-rounds a run needs follow from the prompt and the target-only tokens a
-results JSON holds, for any n-gram length, without running a model. Each
-round is one target forward of at least one position, which costs at
-least a target-only step, so with the run's own target-only prefill P and
-per-token decode time t1:
+drafts what followed the latest earlier occurrence of the longest suffix of
+at most n tokens that occurred before (`jspec.drafters.prompt_lookup`;
+with `min_ngram` = n only a full n-gram counts, as `lookup_model`'s lookup
+rounds ask), the target accepts the drafts up to the first that differs
+from its own next token, and emits one more. So the rounds a run needs
+follow from the prompt and the target-only tokens a results JSON holds,
+for any n, without running a model. Each round is one target forward of
+at least one position, which costs at least a target-only step, so with
+the run's own target-only prefill P and per-token decode time t1:
 
   bound = (P + (N - 1) t1) / (P + rounds * t1)
 
 is more than prompt lookup can reach on that prompt, however cheap its
 verifies (N new tokens; the first comes from the prefill). The replay at
-the run's n-gram length must need as many rounds as the run measured,
-which checks the replay against the engine.
+the run's n must need as many rounds as the run measured, which checks
+the replay against the engine.
+
+The oracle is the bound for any drafter that copies from the context: each
+round it takes, of every earlier occurrence of the last token, the one
+whose continuation the target accepts furthest (as if every candidate were
+verified at once, for free). Rounds it cannot save are tokens that never
+followed the token before them anywhere earlier.
 """
 
 from __future__ import annotations
@@ -30,43 +37,74 @@ from typing import Sequence
 NGRAMS = (1, 2, 3, 4)
 
 
-def lookup(tokens: Sequence[int], ngram: int, gamma: int) -> list[int]:
-  """What prompt lookup drafts after `tokens`: up to gamma tokens that followed the latest match.
+def _match(tokens: Sequence[int], end: int, ngram: int) -> int:
+  """How many of tokens' last ngram tokens match the ones ending at index `end` (consecutively)."""
+  n, length = len(tokens), 0
+  while length < ngram and end - length >= 0 and tokens[end - length] == tokens[n - 1 - length]:
+    length += 1
+  return length
+
+
+def lookup(tokens: Sequence[int], ngram: int, gamma: int, min_ngram: int = 1) -> list[int]:
+  """What prompt lookup drafts after `tokens` (`jspec.drafters.prompt_lookup`).
 
   Args:
     tokens: prompt and output so far.
-    ngram: n-gram length matched.
-    gamma: most drafts.
+    ngram: longest suffix matched.
+    gamma: most drafts for a full-length match (each token shorter, half as many, at least 1).
+    min_ngram: shortest suffix that counts.
 
   Returns:
-    The drafts (empty when the last n-gram occurred nowhere before).
+    The drafts (empty when no suffix of min_ngram tokens occurred before).
   """
   n = len(tokens)
-  if n <= ngram:
+  best, at = 0, -1
+  for end in range(n - 2, -1, -1):  # latest first; at least one token follows the match
+    length = _match(tokens, end, ngram)
+    if length > best:
+      best, at = length, end
+  if best < min_ngram:
     return []
-  suffix = list(tokens[n - ngram:])
-  for j in range(n - ngram - 1, -1, -1):  # latest first; the match ends before the suffix does
-    if list(tokens[j:j + ngram]) == suffix:
-      return list(tokens[j + ngram:j + ngram + gamma])
-  return []
+  return list(tokens[at + 1:at + 1 + max(gamma >> (ngram - best), 1)])
 
 
-def replay(prompt: Sequence[int], output: Sequence[int], ngram: int, gamma: int) -> dict:
+def _oracle(tokens: Sequence[int], future: Sequence[int], gamma: int) -> list[int]:
+  """Of every earlier occurrence of the last token, the continuation that matches `future` longest."""
+  best: list[int] = []
+  for end in range(len(tokens) - 1):
+    if tokens[end] == tokens[-1]:
+      k = 0
+      while k < min(gamma, len(future)) and end + 1 + k < len(tokens) and \
+          tokens[end + 1 + k] == future[k]:
+        k += 1
+      if k > len(best):
+        best = list(future[:k])
+  return best
+
+
+def replay(prompt: Sequence[int], output: Sequence[int], ngram: int, gamma: int,
+           min_ngram: int = 1, oracle: bool = False) -> dict:
   """The rounds greedy prompt lookup takes to emit `output` after `prompt`.
 
   Args:
     prompt: prompt token ids.
     output: the target's greedy tokens (the first comes from the prefill).
-    ngram: n-gram length.
+    ngram: longest suffix matched.
     gamma: most drafts a round.
+    min_ngram: shortest suffix that counts.
+    oracle: draft the best continuation of the last token instead (see the
+      module docstring; ngram and min_ngram are then unused).
 
   Returns:
-    {"rounds", "empty_rounds" (no match: one token), "accepted" (drafts)}.
+    {"rounds", "empty_rounds" (no drafts: one token), "accepted" (drafts)}.
   """
   tokens = list(prompt) + list(output[:1])
   done, rounds, empty, accepted = 1, 0, 0, 0
   while done < len(output):
-    drafts = lookup(tokens, ngram, gamma)
+    if oracle:
+      drafts = _oracle(tokens, output[done:], gamma)
+    else:
+      drafts = lookup(tokens, ngram, gamma, min_ngram)
     n = 0
     while n < len(drafts) and done + n < len(output) and drafts[n] == output[done + n]:
       n += 1
@@ -78,7 +116,7 @@ def replay(prompt: Sequence[int], output: Sequence[int], ngram: int, gamma: int)
 
 
 def bounds(results: dict, prompts: Sequence[str] = (), gamma: int | None = None) -> dict:
-  """Per prompt of a results JSON: each n-gram length's replay and speedup bound.
+  """Per prompt of a results JSON: each rule's replay and speedup bound.
 
   Args:
     results: a bench results JSON (`python -m bench`), with target runs.
@@ -87,7 +125,9 @@ def bounds(results: dict, prompts: Sequence[str] = (), gamma: int | None = None)
 
   Returns:
     {prompt: {"prefill_s", "step_s", "gamma", "measured": {"ngram", "rounds", "speedup"}
-    or None, "ngram": {n: replay + {"bound"}}}}.
+    or None, "ngram": {n: replay + {"bound"}} (the engine's rule, falling back to
+    shorter suffixes), "exact": {n: ...} (a full n-gram only), "oracle": replay +
+    {"bound"}}}.
 
   Raises:
     ValueError: a prompt the results do not hold, or a prompt without a target run.
@@ -111,12 +151,15 @@ def bounds(results: dict, prompts: Sequence[str] = (), gamma: int | None = None)
     measured = record["modes"].get("prompt_lookup")
     entry = {"prefill_s": target["prefill_s"], "step_s": step, "gamma": gamma,
              "measured": measured and {"ngram": settings.get("ngram"), "rounds": measured["rounds"],
-                                       "speedup": measured["speedup_vs_target"]},
-             "ngram": {}}
-    for n in NGRAMS:
-      r = replay(record["prompt_ids"], output, n, gamma)
-      r["bound"] = total / (target["prefill_s"] + r["rounds"] * step)
-      entry["ngram"][n] = r
+                                       "speedup": measured["speedup_vs_target"]}}
+
+    def bounded(r: dict) -> dict:
+      return {**r, "bound": total / (target["prefill_s"] + r["rounds"] * step)}
+
+    prompt = record["prompt_ids"]
+    entry["ngram"] = {n: bounded(replay(prompt, output, n, gamma)) for n in NGRAMS}
+    entry["exact"] = {n: bounded(replay(prompt, output, n, gamma, min_ngram=n)) for n in NGRAMS}
+    entry["oracle"] = bounded(replay(prompt, output, 1, gamma, oracle=True))
     out[name] = entry
   return out
 
@@ -142,8 +185,10 @@ def main(argv=None) -> dict:
     seen = f"; measured: {m['rounds']} rounds at n={m['ngram']}, {m['speedup']:.2f}x" if m else ""
     print(f"{name}: target prefill {entry['prefill_s']:.2f} s, step {entry['step_s'] * 1e3:.0f} ms, "
           f"gamma {entry['gamma']}{seen}")
-    for n, r in entry["ngram"].items():
-      print(f"  n={n}: {r['rounds']} rounds, {r['empty_rounds']} with no match, "
+    rows = [(f"n<={n}", r) for n, r in entry["ngram"].items()]
+    rows += [(f"n={n} only", r) for n, r in entry["exact"].items()]
+    for label, r in rows + [("oracle", entry["oracle"])]:
+      print(f"  {label:9s} {r['rounds']} rounds, {r['empty_rounds']} with no drafts, "
             f"{r['accepted']} drafts accepted; at most {r['bound']:.2f}x")
   print(json.dumps(out))
   return out

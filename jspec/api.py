@@ -592,7 +592,9 @@ def generate(bundle: Bundle, prompt: Union[Prompt, Sequence[Prompt]], *,
       "cumulative" (stop when the product of the round's top probabilities
       < min_confidence; up to 16 drafts by default).
     min_confidence: threshold of the "confidence" and "cumulative" policies.
-    ngram: n-gram length for prompt lookup.
+    ngram: longest suffix prompt lookup matches (it falls back to shorter
+      ones, drafting half as many per token shorter; `lookup_model` copies
+      only after a full match).
     seed: one seed reproduces one generation exactly.
     stop_at_eos: end a row at the tokenizer's (or config's) EOS tokens.
     draft_vocab: the draft proposes only token ids below this (its output

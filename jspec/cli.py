@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "prompt), lookup_model (n-grams where they match, else the draft model), "
                    "or none (the target alone) (default: model)")
   gen.add_argument("--ngram", type=_number(int, 1), default=3, metavar="N",
-                   help="n-gram length for prompt_lookup and lookup_model (default: 3)")
+                   help="longest suffix prompt_lookup matches (shorter ones draft less) and the "
+                   "n-gram lookup_model copies after (default: 3)")
   gen.add_argument("--draft-vocab", type=_number(int, 1), default=None, metavar="V",
                    help="the draft proposes only token ids below V (a cheaper draft head; "
                    "the output stays the target's) (default: the full vocabulary)")

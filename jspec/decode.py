@@ -7,8 +7,9 @@ one target forward and accepts by rejection sampling (`jspec.speculative`):
                           round is plain KV-cached autoregressive decoding;
                           the fair baseline, compiled the same way.
   method "model"          drafts from a small draft model (`drafters.draft_model`).
-  method "prompt_lookup"  drafts copied from earlier n-gram matches.
-  method "lookup_model"   prompt lookup where the last n-gram occurred
+  method "prompt_lookup"  drafts copied from earlier matches of the last
+                          tokens (the longest suffix up to ngram).
+  method "lookup_model"   prompt lookup where the last ngram tokens occurred
                           before, the draft model where it did not (the
                           draft catches up on what lookup rounds emitted).
 
@@ -62,7 +63,7 @@ class Spec:
       probabilities over the round's drafts is below `min_confidence` (the
       draft's own estimate that every draft so far is accepted).
     min_confidence: threshold of the "confidence" and "cumulative" policies.
-    ngram: n-gram length for prompt lookup.
+    ngram: longest suffix prompt lookup matches (`drafters.prompt_lookup`).
     dynamic_verify: verify only as many positions as the round's longest
       counted draft needs (rounded up to a width in `verify_widths`) rather
       than always G + 1. The widths are static shapes, one compiled target
@@ -493,8 +494,11 @@ def _draft_with_model(draft_params, state: State, spec: Spec, key: jax.Array, vo
   if spec.method == "model":
     drafts, q, gamma_eff, steps, dcache = run_model(state.gamma)
     return drafts, q, gamma_eff, steps, jnp.ones_like(state.done), dcache
+  # Only a full-length match drafts by lookup, else the draft model: with
+  # shorter matches counted nearly every round would copy (any token seen
+  # before is a 1-gram match), and the draft model would rarely run.
   l_drafts, l_q, l_gamma = drafters.prompt_lookup(
-      state.tokens, state.seq_len, state.gamma, g, spec.ngram, vocab)
+      state.tokens, state.seq_len, state.gamma, g, spec.ngram, vocab, min_ngram=spec.ngram)
   use_model = (l_gamma == 0) & ~state.done
 
   def with_model(_):

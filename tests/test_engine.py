@@ -255,9 +255,16 @@ def test_seed_reproduces_a_sampled_generation():
 
 def test_prompt_lookup_without_a_match_emits_one_target_token_per_round():
   bundle = tiny.pair(8)
-  prompt = list(range(10))  # no repeated token: no n-gram occurs twice yet
+  # Distinct tokens none of which is the first new one: not even a 1-gram
+  # occurs twice when the first round looks up.
+  for start in range(tiny.VOCAB - 4):
+    prompt = list(range(start, start + 4))
+    base = jspec.generate(bundle, prompt, max_new_tokens=2, method="target")
+    if base.token_ids[0] not in prompt:
+      break
+  else:
+    pytest.fail("every prompt's first new token was in it")
   out = jspec.generate(bundle, prompt, max_new_tokens=2, method="prompt_lookup", ngram=2)
-  base = jspec.generate(bundle, prompt, max_new_tokens=2, method="target")
   assert out.token_ids == base.token_ids
   assert out.stats["drafted"] == 0 and out.stats["rounds"] == 1
 

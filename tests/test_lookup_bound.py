@@ -12,20 +12,35 @@ from bench import lookup_bound
 from jspec import drafters
 
 
-@pytest.mark.parametrize("ngram", [1, 2, 3])
-def test_the_replay_drafts_what_the_engine_drafts(ngram):
+@pytest.mark.parametrize("ngram, min_ngram", [(1, 1), (2, 1), (3, 1), (2, 2), (3, 3)])
+def test_the_replay_drafts_what_the_engine_drafts(ngram, min_ngram):
   # Few distinct tokens, so that matches are common, several per sequence,
-  # and some sequences have none.
-  rng = np.random.RandomState(ngram)
-  width, gamma = 40, 5
-  for _ in range(30):
+  # of every length, and some sequences have none.
+  rng = np.random.RandomState(10 * ngram + min_ngram)
+  width, gamma = 40, 5  # 5 >> 1 = 2 and 5 >> 2 = 1 drafts after shorter matches
+  counts = set()
+  for _ in range(40):
     n = rng.randint(1, width)
     tokens = rng.randint(0, 4, size=width)
     drafts, _, count = drafters.prompt_lookup(jnp.asarray(tokens[None], jnp.int32),
                                               jnp.array([n], jnp.int32), jnp.array([gamma]),
-                                              gamma, ngram, vocab=4)
+                                              gamma, ngram, vocab=4, min_ngram=min_ngram)
     want = list(np.asarray(drafts)[0, :int(count[0])])
-    assert lookup_bound.lookup(list(tokens[:n]), ngram, gamma) == want
+    assert lookup_bound.lookup(list(tokens[:n]), ngram, gamma, min_ngram) == want
+    counts.add(len(want))
+  assert 0 in counts and gamma in counts
+  if min_ngram < ngram:  # a shorter match drafts fewer
+    assert gamma >> 1 in counts
+
+
+def test_a_shorter_match_is_a_fallback_and_drafts_half_as_many_per_token_short():
+  tokens = [7, 3, 8, 4, 6, 1, 2, 9, 3]  # the last 3 follows 7 before: a 1-gram match
+  assert lookup_bound.lookup(tokens, 3, 8) == [8, 4]  # 8 >> 2 of the 7 that follow
+  assert lookup_bound.lookup(tokens, 2, 8) == [8, 4, 6, 1]  # 8 >> 1
+  assert lookup_bound.lookup(tokens, 1, 8) == [8, 4, 6, 1, 2, 9, 3]  # a full match: 8, 7 there
+  assert lookup_bound.lookup(tokens, 3, 8, min_ngram=2) == []
+  tokens = tokens + [8, 4]  # "3 8 4" occurred at 1..3: a full 3-gram match
+  assert lookup_bound.lookup(tokens, 3, 8) == [6, 1, 2, 9, 3, 8, 4]
 
 
 def test_replay_counts_rounds_and_the_bound_follows():
@@ -34,17 +49,28 @@ def test_replay_counts_rounds_and_the_bound_follows():
   # Round 1: after "1 2 3" (n = 2: "2 3" occurred) drafts 4 5 1 2; 4 5 accepted, 7 emitted.
   assert lookup_bound.replay(prompt, output, 2, 16) == {"rounds": 1, "empty_rounds": 0,
                                                         "accepted": 2}
-  # With n = 4 "5 1 2 3" matches nothing: 4 alone; then "1 2 3 4" drafts 5 1 ..., 5 accepted.
-  assert lookup_bound.replay(prompt, output, 4, 16) == {"rounds": 2, "empty_rounds": 1,
-                                                        "accepted": 1}
+  # A full 4-gram only: "5 1 2 3" matches nothing, so 4 alone; then "1 2 3 4"
+  # drafts 5 1 ..., 5 accepted. Falling back, "1 2 3" matches at once.
+  assert lookup_bound.replay(prompt, output, 4, 16, min_ngram=4) == {
+      "rounds": 2, "empty_rounds": 1, "accepted": 1}
+  assert lookup_bound.replay(prompt, output, 4, 16)["rounds"] == 1
   results = {"prompts": {"p": {"prompt_ids": prompt, "modes": {"target": {
       "token_ids": output, "new_tokens": 4, "prefill_s": 1.0, "decode_s": 3.0}}}}}
   out = lookup_bound.bounds(results)["p"]
   assert out["step_s"] == pytest.approx(1.0)
   assert out["ngram"][2]["bound"] == pytest.approx(4.0 / 2.0)  # (1 + 3) / (1 + 1 round)
-  assert out["ngram"][4]["bound"] == pytest.approx(4.0 / 3.0)
+  assert out["exact"][4]["bound"] == pytest.approx(4.0 / 3.0)
+  assert out["ngram"][4]["bound"] == pytest.approx(4.0 / 2.0)
   with pytest.raises(ValueError, match="not in the results"):
     lookup_bound.bounds(results, ["q"])
+
+
+def test_the_oracle_takes_the_best_earlier_occurrence():
+  # After "... 5", the latest 5 is followed by 1 2, the first by 1 3 (the output).
+  prompt, output = [5, 1, 3, 5, 1, 2], [5, 1, 3, 8]
+  assert lookup_bound.replay(prompt, output, 1, 16)["rounds"] == 2  # 1 accepted, then 3 ... 8
+  assert lookup_bound.replay(prompt, output, 1, 16, oracle=True) == {
+      "rounds": 1, "empty_rounds": 0, "accepted": 2}
 
 
 def test_main_reads_a_results_file(tmp_path, capsys):

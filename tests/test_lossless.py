@@ -151,7 +151,8 @@ CASES = {
                             min_confidence=0.4),
     "t1.0-cumulative": dict(samp=sampling.Sampling(1.0), gamma=4, policy="cumulative",
                             min_confidence=0.2),
-    "lookup-t1.0": dict(samp=sampling.Sampling(1.0), gamma=3, method="prompt_lookup", ngram=1),
+    # Up to 2-grams: rows draft 4 after a 2-gram match, 2 after a 1-gram one.
+    "lookup-t1.0": dict(samp=sampling.Sampling(1.0), gamma=4, method="prompt_lookup", ngram=2),
     # The second prompt's last 2-gram occurred before (lookup drafts), the
     # first's did not (the draft model drafts): both kinds of q in one batch.
     "lookup_model-t1.0": dict(samp=sampling.Sampling(1.0), gamma=3, method="lookup_model",
