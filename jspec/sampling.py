@@ -102,6 +102,27 @@ class Traced:
   vocab_limit: int | None = flax.struct.field(pytree_node=False, default=None)
 
 
+def _limit(logits: jax.Array, s: Sampling | Traced) -> jax.Array:
+  """logits [..., V] with the ids at or past `vocab_limit` at -inf."""
+  v = logits.shape[-1]
+  if s.vocab_limit is not None and s.vocab_limit < v:
+    return jnp.where(jnp.arange(v) < s.vocab_limit, logits, -jnp.inf)
+  return logits
+
+
+def argmax(logits: jax.Array, s: Sampling | Traced) -> jax.Array:
+  """The greedy token: the most likely id below `vocab_limit`.
+
+  Args:
+    logits: [..., V] logits.
+    s: sampling settings (only vocab_limit is read).
+
+  Returns:
+    [...] int32 token ids, the point masses of `probs` when greedy.
+  """
+  return jnp.argmax(_limit(logits, s), axis=-1).astype(jnp.int32)
+
+
 def probs(logits: jax.Array, s: Sampling | Traced) -> jax.Array:
   """The distribution tokens are sampled from.
 
@@ -113,11 +134,9 @@ def probs(logits: jax.Array, s: Sampling | Traced) -> jax.Array:
     [..., V] float32 probabilities summing to 1 (one-hot at the argmax when greedy).
   """
   v = logits.shape[-1]
-  if s.vocab_limit is not None and s.vocab_limit < v:
-    logits = jnp.where(jnp.arange(v) < s.vocab_limit, logits, -jnp.inf)
   if s.greedy:
-    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
-  logits = logits.astype(jnp.float32) / s.temperature
+    return jax.nn.one_hot(argmax(logits, s), v, dtype=jnp.float32)
+  logits = _limit(logits, s).astype(jnp.float32) / s.temperature
   if s.top_k and s.top_k < v:
     # Ties at the k-th value are all kept, as in HF's TopKLogitsWarper.
     kth = jax.lax.top_k(logits, s.top_k)[0][..., -1:]

@@ -61,3 +61,26 @@ def accept(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array,
   residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)
   next_token = sampling.sample(r_key, residual, s)
   return n.astype(jnp.int32), next_token
+
+
+def accept_greedy(drafts: jax.Array, target: jax.Array, gamma: jax.Array):
+  """`accept` in the greedy limit, from the target's argmax tokens alone.
+
+  With p and q point masses (`jspec.sampling`), d_i is accepted iff it is
+  the target's argmax at its position, and the residual after a rejection,
+  like p after full acceptance, is the point mass at the target's argmax.
+  So the [B, G+1, V] distributions are never needed: a greedy verify hands
+  over [B, G+1] tokens, not logits.
+
+  Args:
+    drafts: [B, G] int32 drafted tokens.
+    target: [B, G+1] int32 the target's argmax at each verify position.
+    gamma: [B] int32 drafts that count per row (0..G).
+
+  Returns:
+    (n [B] int32 drafts accepted, next_token [B] int32 the target's token after them).
+  """
+  g = drafts.shape[1]
+  ok = (drafts == target[:, :g]) & (jnp.arange(g)[None, :] < gamma[:, None])  # [B, G]
+  n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)  # [B]
+  return n, jnp.take_along_axis(target, n[:, None], axis=1)[:, 0]

@@ -166,14 +166,19 @@ def test_verify_runs_the_narrowest_width_that_holds_every_counted_draft():
   cache = cache.replace(k=jnp.where(free, 123.0, cache.k))
   chunk = jnp.asarray([tiny.prompt(12, 9), tiny.prompt(13, 9)])  # [2, G+1]
   full, _ = model.forward(params, tiny.TARGET, chunk, cache)
+  sampled = dataclasses.replace(spec, sampling=sampling.Sampling(1.0))  # logits, not tokens
   for counted, w in [((0, 0), 1), ((1, 0), 3), ((0, 2), 3), ((3, 1), 5), ((4, 4), 5),
                      ((5, 0), 9), ((8, 8), 9)]:
-    logits, out = decode._verify(params, spec, chunk, cache, jnp.asarray(counted))
+    logits, out = decode._verify(params, sampled, chunk, cache, jnp.asarray(counted))
+    # Greedy, the verdict is the argmax token at each position.
+    tokens, greedy_out = decode._verify(params, spec, chunk, cache, jnp.asarray(counted))
     for row, c in enumerate(counted):
       np.testing.assert_allclose(logits[row, :c + 1], full[row, :c + 1], atol=1e-5)
-      written = np.any(np.asarray(out.k[:, row]) != 123.0, axis=(0, 2, 3))  # [S]
-      assert written.tolist() == [True] * (int(starts[row]) + w) + [False] * (
-          slots - int(starts[row]) - w), (counted, w)
+      assert tokens[row, :c + 1].tolist() == np.argmax(full[row, :c + 1], -1).tolist()
+      for o in (out, greedy_out):
+        written = np.any(np.asarray(o.k[:, row]) != 123.0, axis=(0, 2, 3))  # [S]
+        assert written.tolist() == [True] * (int(starts[row]) + w) + [False] * (
+            slots - int(starts[row]) - w), (counted, w)
 
 
 def test_fill_verify_counts_ready_drafts_only_into_spare_positions():
