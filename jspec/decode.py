@@ -256,7 +256,7 @@ def _verify(params, spec: Spec, chunk: jax.Array, tcache: cache_lib.KVCache,
   (`speculative.accept_greedy`), and [B, G+1] tokens instead of G+1 rows of
   V logits to pad, mask and reduce (in a one-token round of prompt lookup
   at G = 16, the argmax over the padded [B, 17, V] logits took 6 ms of a
-  120 ms round on the real target).
+  128 ms round on the real pair, 0.9 ms after; by hand, jax.profiler).
 
   Args:
     params: target params.
