@@ -82,6 +82,10 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
   what.add_argument("--no-bracket", action="store_true",
                     help="do not time jspec target-only again after the HF peers (by default "
                          "it is, and the ratio to HF target-only uses the mean of both times)")
+  what.add_argument("--no-paired-reads", action="store_true",
+                    help="no memory bandwidth read just before and after each jspec "
+                         "target-only repetition (by default there is, and the roofline "
+                         "verdict pairs each repetition with its own reads)")
   models = p.add_argument_group("models")
   models.add_argument("--model", default="qwen2.5-coder", help="known pair (default qwen2.5-coder)")
   models.add_argument("--target", help="target checkpoint path (GGUF, HF dir or jspec file)")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jspec
 from bench import memory
@@ -54,7 +54,9 @@ def interleavable(bundle: jspec.Bundle, modes: Sequence[modes_lib.Mode]) -> bool
 def run_modes(bundle: jspec.Bundle, ids: list[int], modes: Sequence[modes_lib.Mode],
               max_new_tokens: int, reps: int, stop_at_eos: bool, target_bytes: int,
               draft_bytes: Mapping[str, Optional[int]],
-              interleave: bool = True) -> dict[str, dict[str, Any]]:
+              interleave: bool = True,
+              read_roof: Optional[Callable[[], Optional[float]]] = None
+              ) -> dict[str, dict[str, Any]]:
   """Measures jspec modes on one prompt.
 
   Every mode first gets one call that is thrown away if it compiled (or laid
@@ -76,22 +78,30 @@ def run_modes(bundle: jspec.Bundle, ids: list[int], modes: Sequence[modes_lib.Mo
     draft_bytes: mode name -> the draft's weight bytes per draft forward
       (None without one).
     interleave: alternate the modes' repetitions.
+    read_roof: a memory bandwidth read (GB/s, or None where it failed),
+      taken just before and just after each target-only call: each timed
+      repetition then gets the mean of its two reads (`_paired_roof`).
 
   Returns:
     Mode name -> its record for the results JSON: token_ids (of the first
     timed repetition), reps_identical, new_tokens, medians (tokens_per_s,
     decode_tokens_per_s, prefill_s, decode_s), per-repetition timings, the
     engine's counters (rounds, acceptance, histogram, gamma trace),
-    compile_s, relayout_s, quantize_s and warmup_s, and achieved_gbs.
+    compile_s, relayout_s, quantize_s and warmup_s, and achieved_gbs (with
+    read_roof, target-only's paired_roofline_fraction too).
   """
   runs: dict[str, list] = {m.name: [] for m in modes}
+  roofs: dict[str, list] = {m.name: [] for m in modes}  # per timed call: [before, after] GB/s
   warm: dict[str, tuple] = {}
 
   def call(m: modes_lib.Mode) -> None:
+    paired = read_roof is not None and m.kwargs.get("method") == "target"
+    before = read_roof() if paired else None
     t0 = time.perf_counter()
     result = jspec.generate(bundle, ids, max_new_tokens=max_new_tokens, temperature=0.0,
                             stop_at_eos=stop_at_eos, **m.kwargs)
     wall = time.perf_counter() - t0
+    after = read_roof() if paired else None
     # A call that compiled, first laid the target out for this mode
     # (`jspec.layout`) or first made the int8 draft (freshly written
     # weights) is a warm-up.
@@ -99,6 +109,7 @@ def run_modes(bundle: jspec.Bundle, ids: list[int], modes: Sequence[modes_lib.Mo
       warm[m.name] = (result, wall)
     else:
       runs[m.name].append(result)
+      roofs[m.name].append([before, after])
 
   if interleave:
     while any(len(runs[m.name]) < reps for m in modes):
@@ -110,9 +121,42 @@ def run_modes(bundle: jspec.Bundle, ids: list[int], modes: Sequence[modes_lib.Mo
       while len(runs[m.name]) < reps:
         call(m)
   one_row = one_row_bytes(bundle.target.params, target_bytes)
-  return {m.name: _record(m, runs[m.name], warm.get(m.name), target_bytes, draft_bytes[m.name],
-                          one_row)
-          for m in modes}
+  records = {m.name: _record(m, runs[m.name], warm.get(m.name), target_bytes,
+                             draft_bytes[m.name], one_row)
+             for m in modes}
+  for m in modes:
+    if read_roof is not None and m.kwargs.get("method") == "target":
+      _paired_roof(records[m.name], roofs[m.name])
+  return records
+
+
+def _paired_roof(record: dict[str, Any], reads: list[list[Optional[float]]]) -> None:
+  """Adds each repetition's roof and the median of their roofline fractions to a target-only record.
+
+  The machine's bandwidth swings between about 40 and 70 GB/s within a
+  minute (the same forward took 85 and 131 ms in processes minutes apart),
+  and a prompt's records take minutes: a roof read on either side of them
+  (`runner._bracket`) meets a repetition at another moment than the one it
+  ran in. Read just before and just after each repetition, the roof is
+  taken at the rep's own time; the fraction of each repetition is its
+  weight bytes per second over the mean of its two reads, and the record's
+  is the median of those, as its speed is the median of its repetitions'.
+
+  Args:
+    record: a target-only record of `_record` (changed in place: each
+      reps entry gets roof_gbs and achieved_gbs, the record
+      paired_roofline_fraction, None if no repetition had a read).
+    reads: per timed repetition, [before, after] GB/s (None where a read failed).
+  """
+  fractions = []
+  for rep, pair in zip(record["reps"], reads):
+    ok = [r for r in pair if r is not None]
+    rep["roof_gbs"] = sum(ok) / len(ok) if ok else None
+    rep["achieved_gbs"] = (record["bytes_read_decode"] / rep["decode_s"] / 1e9
+                           if rep["decode_s"] > 0 else None)
+    if rep["roof_gbs"] and rep["achieved_gbs"] is not None:
+      fractions.append(rep["achieved_gbs"] / rep["roof_gbs"])
+  record["paired_roofline_fraction"] = _median(fractions) if fractions else None
 
 
 def one_row_bytes(params: dict, target_bytes: int) -> Optional[int]:

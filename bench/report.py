@@ -109,6 +109,12 @@ def verdicts(doc: dict[str, Any]) -> str:
                  f"{len(around)} prompts)")
   elif bw.get("gbs"):
     lines.append("roofline: over the read at the start")
+  paired = [rep["roof_gbs"] for e in doc.get("prompts", {}).values()
+            for rep in (e.get("modes", {}).get("target") or {}).get("reps", [])
+            if rep.get("roof_gbs")]
+  if paired:
+    lines.append(f"target-only roofline: each repetition over the reads just before and after "
+                 f"it ({min(paired):.1f}-{max(paired):.1f} GB/s over {len(paired)} repetitions)")
   mem = doc.get("memory", {})
   if mem.get("peak_rss_bytes"):
     ratio = mem.get("peak_rss_over_param_bytes")
@@ -127,6 +133,10 @@ def verdicts(doc: dict[str, Any]) -> str:
       if isinstance(t, dict):
         state = {True: "met", False: "NOT met", None: "n/a"}[t["met"]]
         how = ""
+        if t.get("paired"):
+          how = (f" [each target-only repetition over the reads just before and after it, "
+                 f"the median; over the reads around the prompt's records: "
+                 f"{_fmt(t.get('around_prompt'), '.3g')}]")
         if t.get("bracketed"):
           how = (f" [jspec timed before and after the HF phase, the mean; before only: "
                  f"{_fmt(t.get('before_hf_only'), '.3g')}]")

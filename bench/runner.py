@@ -203,8 +203,10 @@ def _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order) -> bool:
     todo = [m for m in jmodes if not results.has(doc, p.name, m.name)]
     d_bytes = {m.name: _draft_bytes(bundle, m) for m in todo}
     before = (last_read if last_read is not None else _bandwidth_read(opts)) if todo else None
+    read_roof = None if opts.no_paired_reads else lambda: _bandwidth_read(opts)
     recs = engine.run_modes(bundle, entry["prompt_ids"], todo, opts.max_new_tokens, opts.reps,
-                            opts.stop_at_eos, t_bytes, d_bytes, interleave) if todo else {}
+                            opts.stop_at_eos, t_bytes, d_bytes, interleave,
+                            read_roof) if todo else {}
     # The prompt's programs go once it is measured: kept for the next
     # prompts they pile up (about 150 MB per program pair, some 30 pairs over
     # the suite) to 1.6x the weights in peak RSS. A later prompt of the same

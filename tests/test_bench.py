@@ -78,6 +78,14 @@ def test_smoke_run_writes_every_figure(smoke_run):
   assert target["bracketed_tokens_per_s"] == pytest.approx(
       (target["tokens_per_s"] + after["tokens_per_s"]) / 2)
   assert doc["targets"]["target_speedup_vs_hf_target"]["bracketed"]
+  # Each target-only repetition has a bandwidth read of its own, and the
+  # roofline verdict is the median of the repetitions' fractions.
+  assert all(rep["roof_gbs"] > 0 and rep["achieved_gbs"] > 0 for rep in target["reps"])
+  assert target["paired_roofline_fraction"] == pytest.approx(
+      sorted(r["achieved_gbs"] / r["roof_gbs"] for r in target["reps"])[len(target["reps"]) // 2])
+  roof = doc["targets"]["target_roofline_fraction"]
+  assert roof["paired"] and roof["value"] == pytest.approx(target["paired_roofline_fraction"])
+  assert "roof_gbs" not in doc["prompts"]["quicksort"]["modes"]["spec_g2"]["reps"][0]
   assert "target_after_hf" in doc["runs"][-1]["phases_s"]
   for path in doc["plots"]:
     with open(path, "rb") as f:
@@ -92,7 +100,8 @@ def test_each_prompts_roofline_is_over_the_bandwidth_read_around_its_records(tmp
   reads = iter([10.0, 20.0, 30.0, 40.0])
   monkeypatch.setattr(memory, "bandwidth", lambda *args: {"gbs": next(reads)})
   code = bench_main.main(SMOKE + ["--prompts", "quicksort,js_debounce", "--modes", "target",
-                                  "--reps", "1", "--no-hf", "--out", str(tmp_path / "r.json")])
+                                  "--reps", "1", "--no-hf", "--no-paired-reads",
+                                  "--out", str(tmp_path / "r.json")])
   assert code == 0
   doc = json.loads((tmp_path / "r.json").read_text())
   assert doc["bandwidth"]["gbs"] == 10.0
@@ -247,6 +256,33 @@ def test_gate_and_agreement_on_a_hand_made_document():
   assert doc["hf_agreement"]["p"]["hf_target"] == {"equal": False, "agree_len": 2, "length": 3}
   assert doc["prompts"]["p"]["modes"]["spec_g1"]["speedup_vs_target"] == pytest.approx(1.5)
   assert doc["prompts"]["p"]["modes"]["spec_g1"]["speedup_vs_hf_target"] == pytest.approx(3.0)
+
+
+def test_each_target_repetition_is_held_to_its_own_bandwidth_reads():
+  # 10 GB read per decode; the reps take 1, 2 and 4 s (10, 5 and 2.5 GB/s)
+  # next to reads of 20, 10 and 2.5 GB/s: fractions 0.5, 0.5 and 1.0.
+  record = {"bytes_read_decode": 10e9, "reps": [{"decode_s": d} for d in (1.0, 2.0, 4.0)]}
+  engine._paired_roof(record, [[10.0, 30.0], [10.0, None], [2.0, 3.0]])
+  assert [r["roof_gbs"] for r in record["reps"]] == [20.0, 10.0, 2.5]
+  assert [r["achieved_gbs"] for r in record["reps"]] == [10.0, 5.0, 2.5]
+  assert record["paired_roofline_fraction"] == pytest.approx(0.5)  # the median, not the mean
+  record = {"bytes_read_decode": 10e9, "reps": [{"decode_s": 1.0}]}
+  engine._paired_roof(record, [[None, None]])
+  assert record["paired_roofline_fraction"] is None
+  # The verdict takes the paired figure, the one over the prompt's reads beside it;
+  # without paired reads, that one.
+  doc = results.new({"prompts": ["p"]})
+  doc["prompts"]["p"] = {"kind": "code", "bandwidth": {"gbs": 20.0}, "modes": {"target": {
+      "engine": "jspec", "token_ids": [1, 2], "tokens_per_s": 3.0, "achieved_gbs": 10.0,
+      "paired_roofline_fraction": 0.9}}}
+  results.finalize(doc, ["target"])
+  verdict = doc["targets"]["target_roofline_fraction"]
+  assert verdict["value"] == pytest.approx(0.9) and verdict["met"] and verdict["paired"]
+  assert verdict["around_prompt"] == pytest.approx(0.5)
+  del doc["prompts"]["p"]["modes"]["target"]["paired_roofline_fraction"]
+  results.finalize(doc, ["target"])
+  verdict = doc["targets"]["target_roofline_fraction"]
+  assert verdict["value"] == pytest.approx(0.5) and not verdict["met"] and not verdict["paired"]
 
 
 def test_the_hf_ratio_is_bracketed_by_target_only_timed_before_and_after_hf():
