@@ -1,6 +1,6 @@
 """The most prompt lookup could gain on a bench run's prompts, replayed from its target tokens.
 
-    python -m bench.lookup_bound RESULTS.json [--prompts edit_type_hints] [--gamma 16]
+    python -m bench.lookup_bound RESULTS.json [--prompts edit_type_hints] [--gamma 16] [--goal 2.5]
 
 Greedy prompt lookup is deterministic given the target's output: each round
 drafts what followed the latest earlier occurrence of the longest suffix of
@@ -20,11 +20,19 @@ verifies (N new tokens; the first comes from the prefill). The replay at
 the run's n must need as many rounds as the run measured, which checks
 the replay against the engine.
 
-The oracle is the bound for any drafter that copies from the context: each
-round it takes, of every earlier occurrence of the last token, the one
+The oracle is the bound for any drafter that copies what followed an
+earlier occurrence of its last tokens (as prompt lookup does, at any n):
+each round it takes, of every earlier occurrence of the last token, the one
 whose continuation the target accepts furthest (as if every candidate were
 verified at once, for free). Rounds it cannot save are tokens that never
-followed the token before them anywhere earlier.
+followed the token before them anywhere earlier. The span oracle drops the
+anchor: each round it drafts the longest run of the target's next tokens
+that occurs anywhere in the context, which no drafter that copies from the
+context beats (one that knew where to copy from without being told).
+
+Against a run's prompt lookup, the tool also says how many rounds a GOAL x
+speedup would allow at the cost per round that run measured (its decode
+time over its rounds): (P + (N - 1) t1) / GOAL - P, over that cost.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import pathlib
 from typing import Sequence
 
 NGRAMS = (1, 2, 3, 4)
+ORACLES = ("", "token", "span")
 
 
 def _match(tokens: Sequence[int], end: int, ngram: int) -> int:
@@ -68,22 +77,23 @@ def lookup(tokens: Sequence[int], ngram: int, gamma: int, min_ngram: int = 1) ->
   return list(tokens[at + 1:at + 1 + max(gamma >> (ngram - best), 1)])
 
 
-def _oracle(tokens: Sequence[int], future: Sequence[int], gamma: int) -> list[int]:
-  """Of every earlier occurrence of the last token, the continuation that matches `future` longest."""
+def _oracle(tokens: Sequence[int], future: Sequence[int], gamma: int, span: bool) -> list[int]:
+  """The longest run of `future` that the context holds: after an earlier occurrence of the
+  last token, or anywhere when `span`."""
   best: list[int] = []
-  for end in range(len(tokens) - 1):
-    if tokens[end] == tokens[-1]:
-      k = 0
-      while k < min(gamma, len(future)) and end + 1 + k < len(tokens) and \
-          tokens[end + 1 + k] == future[k]:
-        k += 1
-      if k > len(best):
-        best = list(future[:k])
+  for start in range(len(tokens)):  # where a copy would begin
+    if not span and (start == 0 or tokens[start - 1] != tokens[-1]):
+      continue
+    k = 0
+    while k < min(gamma, len(future)) and start + k < len(tokens) and tokens[start + k] == future[k]:
+      k += 1
+    if k > len(best):
+      best = list(future[:k])
   return best
 
 
 def replay(prompt: Sequence[int], output: Sequence[int], ngram: int, gamma: int,
-           min_ngram: int = 1, oracle: bool = False) -> dict:
+           min_ngram: int = 1, oracle: str = "") -> dict:
   """The rounds greedy prompt lookup takes to emit `output` after `prompt`.
 
   Args:
@@ -92,17 +102,20 @@ def replay(prompt: Sequence[int], output: Sequence[int], ngram: int, gamma: int,
     ngram: longest suffix matched.
     gamma: most drafts a round.
     min_ngram: shortest suffix that counts.
-    oracle: draft the best continuation of the last token instead (see the
-      module docstring; ngram and min_ngram are then unused).
+    oracle: "token" drafts the best continuation of the last token instead,
+      "span" the longest run of the output found anywhere before (see the
+      module docstring; ngram and min_ngram are then unused); "" neither.
 
   Returns:
     {"rounds", "empty_rounds" (no drafts: one token), "accepted" (drafts)}.
   """
+  if oracle not in ORACLES:
+    raise ValueError(f"oracle {oracle!r}: expected one of {ORACLES}")
   tokens = list(prompt) + list(output[:1])
   done, rounds, empty, accepted = 1, 0, 0, 0
   while done < len(output):
     if oracle:
-      drafts = _oracle(tokens, output[done:], gamma)
+      drafts = _oracle(tokens, output[done:], gamma, span=oracle == "span")
     else:
       drafts = lookup(tokens, ngram, gamma, min_ngram)
     n = 0
@@ -115,19 +128,22 @@ def replay(prompt: Sequence[int], output: Sequence[int], ngram: int, gamma: int,
   return {"rounds": rounds, "empty_rounds": empty, "accepted": accepted}
 
 
-def bounds(results: dict, prompts: Sequence[str] = (), gamma: int | None = None) -> dict:
+def bounds(results: dict, prompts: Sequence[str] = (), gamma: int | None = None,
+           goal: float = 2.5) -> dict:
   """Per prompt of a results JSON: each rule's replay and speedup bound.
 
   Args:
     results: a bench results JSON (`python -m bench`), with target runs.
     prompts: prompt names to take (empty: all).
     gamma: most drafts a round (None: the run's prompt_lookup gamma, else 16).
+    goal: the speedup whose allowed rounds "measured" reports.
 
   Returns:
-    {prompt: {"prefill_s", "step_s", "gamma", "measured": {"ngram", "rounds", "speedup"}
-    or None, "ngram": {n: replay + {"bound"}} (the engine's rule, falling back to
-    shorter suffixes), "exact": {n: ...} (a full n-gram only), "oracle": replay +
-    {"bound"}}}.
+    {prompt: {"prefill_s", "step_s", "gamma", "measured": {"ngram", "rounds", "speedup",
+    "round_s" (its decode time per round), "goal", "rounds_for_goal" (the most rounds at
+    round_s that reach goal)} or None, "ngram": {n: replay + {"bound"}} (the engine's rule,
+    falling back to shorter suffixes), "exact": {n: ...} (a full n-gram only), "oracle"
+    and "span_oracle": replay + {"bound"}}}.
 
   Raises:
     ValueError: a prompt the results do not hold, or a prompt without a target run.
@@ -149,9 +165,13 @@ def bounds(results: dict, prompts: Sequence[str] = (), gamma: int | None = None)
     step = target["decode_s"] / (n_new - 1)
     total = target["prefill_s"] + target["decode_s"]
     measured = record["modes"].get("prompt_lookup")
-    entry = {"prefill_s": target["prefill_s"], "step_s": step, "gamma": gamma,
-             "measured": measured and {"ngram": settings.get("ngram"), "rounds": measured["rounds"],
-                                       "speedup": measured["speedup_vs_target"]}}
+    entry = {"prefill_s": target["prefill_s"], "step_s": step, "gamma": gamma, "measured": None}
+    if measured:
+      round_s = measured["decode_s"] / measured["rounds"]
+      entry["measured"] = {"ngram": settings.get("ngram"), "rounds": measured["rounds"],
+                           "speedup": measured["speedup_vs_target"], "round_s": round_s,
+                           "goal": goal,
+                           "rounds_for_goal": int((total / goal - target["prefill_s"]) // round_s)}
 
     def bounded(r: dict) -> dict:
       return {**r, "bound": total / (target["prefill_s"] + r["rounds"] * step)}
@@ -159,7 +179,8 @@ def bounds(results: dict, prompts: Sequence[str] = (), gamma: int | None = None)
     prompt = record["prompt_ids"]
     entry["ngram"] = {n: bounded(replay(prompt, output, n, gamma)) for n in NGRAMS}
     entry["exact"] = {n: bounded(replay(prompt, output, n, gamma, min_ngram=n)) for n in NGRAMS}
-    entry["oracle"] = bounded(replay(prompt, output, 1, gamma, oracle=True))
+    entry["oracle"] = bounded(replay(prompt, output, 1, gamma, oracle="token"))
+    entry["span_oracle"] = bounded(replay(prompt, output, 1, gamma, oracle="span"))
     out[name] = entry
   return out
 
@@ -172,22 +193,28 @@ def main(argv=None) -> dict:
   parser.add_argument("--prompts", default="", help="comma-separated prompt names (default all)")
   parser.add_argument("--gamma", type=int, default=None,
                       help="most drafts a round (default: the run's prompt_lookup gamma)")
+  parser.add_argument("--goal", type=float, default=2.5,
+                      help="the speedup whose allowed rounds are printed (default 2.5)")
   args = parser.parse_args(argv)
   if args.gamma is not None and args.gamma < 1:
     parser.error(f"--gamma {args.gamma}: expected at least 1")
+  if not args.goal > 0:
+    parser.error(f"--goal {args.goal}: expected a speedup above 0")
   try:
     results = json.loads(args.results.read_text())
-    out = bounds(results, [p for p in args.prompts.split(",") if p], args.gamma)
+    out = bounds(results, [p for p in args.prompts.split(",") if p], args.gamma, args.goal)
   except (OSError, ValueError, KeyError) as err:
     parser.error(f"{args.results}: {err}")
   for name, entry in out.items():
     m = entry["measured"]
-    seen = f"; measured: {m['rounds']} rounds at n={m['ngram']}, {m['speedup']:.2f}x" if m else ""
+    seen = (f"; measured: {m['rounds']} rounds at n={m['ngram']}, {m['speedup']:.2f}x, "
+            f"{m['round_s'] * 1e3:.0f} ms a round: {m['goal']:g}x needs at most "
+            f"{m['rounds_for_goal']} rounds" if m else "")
     print(f"{name}: target prefill {entry['prefill_s']:.2f} s, step {entry['step_s'] * 1e3:.0f} ms, "
           f"gamma {entry['gamma']}{seen}")
     rows = [(f"n<={n}", r) for n, r in entry["ngram"].items()]
     rows += [(f"n={n} only", r) for n, r in entry["exact"].items()]
-    for label, r in rows + [("oracle", entry["oracle"])]:
+    for label, r in rows + [("oracle", entry["oracle"]), ("span", entry["span_oracle"])]:
       print(f"  {label:9s} {r['rounds']} rounds, {r['empty_rounds']} with no drafts, "
             f"{r['accepted']} drafts accepted; at most {r['bound']:.2f}x")
   print(json.dumps(out))

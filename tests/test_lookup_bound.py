@@ -69,8 +69,33 @@ def test_the_oracle_takes_the_best_earlier_occurrence():
   # After "... 5", the latest 5 is followed by 1 2, the first by 1 3 (the output).
   prompt, output = [5, 1, 3, 5, 1, 2], [5, 1, 3, 8]
   assert lookup_bound.replay(prompt, output, 1, 16)["rounds"] == 2  # 1 accepted, then 3 ... 8
-  assert lookup_bound.replay(prompt, output, 1, 16, oracle=True) == {
+  assert lookup_bound.replay(prompt, output, 1, 16, oracle="token") == {
       "rounds": 1, "empty_rounds": 0, "accepted": 2}
+
+
+def test_the_span_oracle_copies_from_anywhere():
+  # After "... 9" the output 4 6 never followed a 9, but "4 6" is in the prompt.
+  prompt, output = [4, 6, 2, 9], [9, 4, 6]
+  # Anchored: the earlier 9 was followed by 9, not 4; 4 is emitted, then 4 -> 6.
+  assert lookup_bound.replay(prompt, output, 1, 16, oracle="token") == {
+      "rounds": 2, "empty_rounds": 1, "accepted": 1}
+  assert lookup_bound.replay(prompt, output, 1, 16, oracle="span") == {
+      "rounds": 1, "empty_rounds": 0, "accepted": 2}  # drafts 4 6, both accepted
+  with pytest.raises(ValueError, match="expected one of"):
+    lookup_bound.replay(prompt, output, 1, 16, oracle="best")
+
+
+def test_the_rounds_a_goal_allows_at_the_measured_round_cost():
+  prompt, output = [1, 2, 3, 1, 2], [3, 4, 5, 6, 7]
+  results = {"settings": {"mode_args": {"prompt_lookup": {"gamma": 4, "ngram": 2}}},
+             "prompts": {"p": {"prompt_ids": prompt, "modes": {
+                 "target": {"token_ids": output, "new_tokens": 5, "prefill_s": 2.0,
+                            "decode_s": 8.0},
+                 "prompt_lookup": {"rounds": 3, "decode_s": 3.0, "speedup_vs_target": 2.0}}}}}
+  m = lookup_bound.bounds(results, goal=2.0)["p"]["measured"]
+  assert m["round_s"] == pytest.approx(1.0)  # 3 s over 3 rounds
+  assert m["rounds_for_goal"] == 3  # (10 / 2 - 2) / 1
+  assert lookup_bound.bounds(results, goal=2.5)["p"]["measured"]["rounds_for_goal"] == 2  # 2 / 1
 
 
 def test_main_reads_a_results_file(tmp_path, capsys):
