@@ -16,7 +16,8 @@ all alike:
   products  only that step's matrix products (each layer's q, k, v, o,
             gate, up and down, then the head), chained as in the forward;
   xla_matvec  XLA's matrix-vector product over --gib GiB stored [rows, K]
-            (the bench's roof);
+            (one of the reads `bench.memory` takes the best of; an XLA sum
+            is another, often faster);
   kernel_matvec  jspec's kernel over the same bytes, stored as panels.
 
 It prints each one's median and best ms and GB/s (weight bytes over time),
@@ -152,7 +153,7 @@ def main(argv=None) -> dict:
       "best": out["forward"]["median_gbs"] / out["xla_matvec"]["best_gbs"]}
   out["forward_vs_xla_attention"] = out["forward"]["median_ms"] / out["forward_xla_attention"]["median_ms"]
   print(f"forward's median GB/s over XLA matvec's median {out['forward_vs_matvec']['median']:.0%}, "
-        f"over its best (the bench's roof) {out['forward_vs_matvec']['best']:.0%}; its median time "
+        f"over its best {out['forward_vs_matvec']['best']:.0%}; its median time "
         f"over the forward with XLA's attention {out['forward_vs_xla_attention']:.3f}", flush=True)
   print(json.dumps(out))
   return out
