@@ -27,8 +27,8 @@ whose continuation the target accepts furthest (as if every candidate were
 verified at once, for free). Rounds it cannot save are tokens that never
 followed the token before them anywhere earlier. The span oracle drops the
 anchor: each round it drafts the longest run of the target's next tokens
-that occurs anywhere in the context, which no drafter that copies from the
-context beats (one that knew where to copy from without being told).
+that occurs anywhere in the context, which no drafter that copies one run
+of the context beats (one that knew where to copy from without being told).
 
 Against a run's prompt lookup, the tool also says how many rounds a GOAL x
 speedup would allow at the cost per round that run measured (its decode
@@ -171,7 +171,7 @@ def bounds(results: dict, prompts: Sequence[str] = (), gamma: int | None = None,
       entry["measured"] = {"ngram": settings.get("ngram"), "rounds": measured["rounds"],
                            "speedup": measured["speedup_vs_target"], "round_s": round_s,
                            "goal": goal,
-                           "rounds_for_goal": int((total / goal - target["prefill_s"]) // round_s)}
+                           "rounds_for_goal": max(0, int((total / goal - target["prefill_s"]) // round_s))}
 
     def bounded(r: dict) -> dict:
       return {**r, "bound": total / (target["prefill_s"] + r["rounds"] * step)}
