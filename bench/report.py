@@ -80,7 +80,10 @@ def verdicts(doc: dict[str, Any]) -> str:
   """The correctness gate, HF agreement, memory and bandwidth, and the issue's targets."""
   lines = []
   gate = doc.get("gate", {})
-  if gate.get("passed"):
+  if gate.get("passed") and not gate.get("checked"):  # target-only alone: only its reps agree
+    lines.append("CORRECTNESS: PASS - each mode's repetitions gave the same ids; no other jspec "
+                 "mode ran beside target-only, so none was compared with it")
+  elif gate.get("passed"):
     lines.append(f"CORRECTNESS: PASS - every jspec mode's greedy ids equal jspec target-only's "
                  f"({gate.get('checked', 0)} records checked)")
   else:

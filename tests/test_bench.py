@@ -23,6 +23,7 @@ from bench import kernel_ab
 from bench import memory
 from bench import modes as modes_lib
 from bench import prompts as prompts_lib
+from bench import report
 from bench import results
 from bench import roofline
 from bench import shapes
@@ -256,6 +257,19 @@ def test_gate_and_agreement_on_a_hand_made_document():
   assert doc["hf_agreement"]["p"]["hf_target"] == {"equal": False, "agree_len": 2, "length": 3}
   assert doc["prompts"]["p"]["modes"]["spec_g1"]["speedup_vs_target"] == pytest.approx(1.5)
   assert doc["prompts"]["p"]["modes"]["spec_g1"]["speedup_vs_hf_target"] == pytest.approx(3.0)
+
+
+def test_a_target_only_run_does_not_claim_a_comparison_it_did_not_make():
+  doc = results.new({"prompts": ["p"]})
+  doc["prompts"]["p"] = {"kind": "code", "modes": {
+      "target": {"engine": "jspec", "token_ids": [1, 2, 3], "tokens_per_s": 2.0}}}
+  results.finalize(doc, ["target"])
+  line = report.verdicts(doc).splitlines()[0]
+  assert doc["gate"]["passed"] and doc["gate"]["checked"] == 0
+  assert line.startswith("CORRECTNESS: PASS") and "none was compared" in line
+  doc["prompts"]["p"]["modes"]["target"]["reps_identical"] = False  # its repetitions disagree
+  results.finalize(doc, ["target"])
+  assert report.verdicts(doc).startswith("CORRECTNESS: FAIL")
 
 
 def test_each_target_repetition_is_held_to_its_own_bandwidth_reads():
