@@ -21,9 +21,16 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-import gguf
 import numpy as np
-from gguf import quants
+
+# Only reading a GGUF file needs the gguf package: jspec files and random
+# weights do not, so jspec imports without it (a GPU machine with no network
+# may lack it; `open_reader` then says what is missing).
+try:
+  import gguf
+  from gguf import quants
+except ImportError:
+  gguf = quants = None
 
 from convert import keys
 from jspec import config as config_lib
@@ -65,6 +72,9 @@ def open_reader(path) -> gguf.GGUFReader:
     magic = f.read(4)
   if magic != MAGIC:
     raise keys.ConvertError(f"{path}: not a GGUF file (starts with {magic!r}, expected {MAGIC!r})")
+  if gguf is None:
+    raise keys.ConvertError(f"{path}: reading a GGUF file needs the gguf package, which is not "
+                            "installed (pip install gguf)")
   try:
     return gguf.GGUFReader(path)
   except Exception as e:  # the reader fails with whatever numpy or struct raised

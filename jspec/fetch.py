@@ -31,7 +31,6 @@ import pathlib
 import sys
 import tempfile
 
-import platformdirs
 import tqdm
 
 try:  # POSIX only; without it concurrent assemblies are simply not serialized.
@@ -150,7 +149,11 @@ def cache_dir():
       directory for ``jspec``, as a ``pathlib.Path``.
   """
   env = os.environ.get("JSPEC_CACHE")
-  path = pathlib.Path(env).expanduser() if env else pathlib.Path(platformdirs.user_cache_dir("jspec"))
+  if env:
+    path = pathlib.Path(env).expanduser()
+  else:
+    import platformdirs  # pylint: disable=import-outside-toplevel (only without $JSPEC_CACHE)
+    path = pathlib.Path(platformdirs.user_cache_dir("jspec"))
   path.mkdir(parents=True, exist_ok=True)
   return path
 
