@@ -9,6 +9,10 @@ only keeps the harness from rotting.
 from __future__ import annotations
 
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +23,7 @@ import tiny
 from bench import __main__ as bench_main
 from bench import derive
 from bench import engine
+from bench import finalize
 from bench import kernel_ab
 from bench import memory
 from bench import modes as modes_lib
@@ -32,6 +37,8 @@ from jspec import cache as cache_lib
 from jspec import cpu_kernels
 from jspec import layout
 from jspec import model as jspec_model
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Few settings, so the programs compile once and the whole file stays short.
 SMOKE = ["--smoke", "--gammas", "2", "--bandwidth-bytes", str(16 << 20)]
@@ -187,6 +194,47 @@ def test_resume_keeps_records_and_derives_from_histograms(tmp_path, smoke_run, c
   second = json.loads(out.read_text())
   assert second["prompts"]["quicksort"]["modes"]["spec_g2"]["reps"] == rec["reps"]
   assert len(second["runs"]) == 2
+
+
+def test_a_cut_short_run_is_finalized_from_its_records(tmp_path, smoke_run, capsys):
+  _, source = smoke_run
+  cut = json.loads(source.read_text())
+  for key in ("summary", "targets", "plots", "gate"):  # what only the end of a run writes
+    cut.pop(key, None)
+  cut["status"] = "running"
+  out = tmp_path / "cut.json"
+  out.write_text(json.dumps(cut))
+  assert finalize.main([str(out), "--histograms", str(source)]) == 0
+  doc = json.loads(out.read_text())
+  assert doc["status"] == finalize.STOPPED
+  assert doc["gate"]["passed"] and doc["summary"]["spec_g2"]
+  assert "derived" in doc["prompts"]["quicksort"]["modes"]["spec_g2"]
+  assert all(pathlib.Path(p).is_file() for p in doc["plots"]) and len(doc["plots"]) == 3
+  assert "CORRECTNESS: PASS" in capsys.readouterr().out
+  assert finalize.main([str(tmp_path / "none.json")]) == 2
+
+
+def test_the_device_script_runs_the_random_weight_bench_without_gguf(tmp_path, smoke_run):
+  # bench/device_gpu.sh as the GPU machine runs it (no gguf, no platformdirs, from
+  # PYTHONPATH), on smoke models and the CPU instead of the real shapes and the GPU.
+  _, source = smoke_run
+  block = tmp_path / "block"
+  block.mkdir()
+  (block / "sitecustomize.py").write_text(
+      "import sys\nfor name in ('gguf', 'platformdirs'):\n  sys.modules[name] = None\n")
+  out = tmp_path / "out"
+  env = dict(os.environ, OUT=str(out), HISTOGRAMS=str(source), PYTHON=sys.executable,
+             PYTHONPATH=str(block), JSPEC_CACHE=str(tmp_path / "cache"),
+             BENCH_ARGS="--smoke --device cpu --dtype float32 --prompts quicksort --gammas 2 "
+                        f"--reps 1 --no-hf --bandwidth-bytes {16 << 20}")
+  done = subprocess.run(["bash", str(ROOT / "bench" / "device_gpu.sh")], env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  doc = json.loads((out / "suite_gpu_random.json").read_text())
+  assert doc["status"] == "complete" and doc["gate"]["passed"]
+  assert doc["prompts"]["quicksort"]["modes"]["spec_g2"]["derived"]["tokens_per_s"] > 0
+  assert {p.name for p in out.iterdir()} >= {"log.txt", "machine.txt", "suite_gpu_random.json",
+                                             "suite_gpu_random.tokens_per_s.png"}
 
 
 def test_resume_refuses_other_settings(tmp_path, smoke_run):

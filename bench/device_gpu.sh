@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU benchmark of issue 6 in one call of the workplace's device machine.
+#
+#   run(command="bash bench/device_gpu.sh", timeout_s=600)     # the device tool
+#   OUT=/tmp/gpu BENCH_ARGS="--device cpu --dtype float32 --gammas 2 --max-new-tokens 8 --reps 1" \
+#       bash bench/device_gpu.sh                              # a rehearsal on the CPU
+#
+# BENCH_ARGS are appended to the bench's own (a later option wins);
+# HISTOGRAMS, BENCH_TIMEOUT_S (default 500) and PYTHON (python3) may be set.
+#
+# That machine (an H200) has no network and takes 64 MiB of files, so the
+# real weights cannot travel: jspec and HF transformers run on random weights
+# of the real pair's shapes in bfloat16 (a round's cost depends on shapes, not
+# values), and jspec's speculative tokens/s are derived from the accepted-length
+# histograms the real pair gave on CPU (bench/derive.py; every such figure is
+# labelled "derived"). Its Python has jax, flax, torch and transformers but
+# neither gguf nor platformdirs, which this path does without, and nothing is
+# installed: the checkout runs from PYTHONPATH.
+#
+# Everything lands in $OUT: the results JSON, its plots, the log and
+# nvidia-smi's report. The bench writes its JSON after every prompt; if it
+# runs past BENCH_TIMEOUT_S it is stopped and what it measured is finalized
+# (ratios, derived figures, plots), so a cut run still brings results back.
+# Exit status: the bench's (0, or 1 for a greedy mismatch), or 3 for a run
+# cut short and finalized (not timeout's 124, which the device tool reads as
+# the whole call having run out of time).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT to the folder for the results}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export JSPEC_CACHE=${JSPEC_CACHE:-/tmp/jspec_cache}
+# JAX takes 75% of the GPU by default; the HF child needs room beside it.
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.5}
+PY=${PYTHON:-python3}
+JSON="$OUT/suite_gpu_random.json"
+# The real pair's spec_g1..8 accepted-length histograms, measured on CPU.
+HISTOGRAMS=${HISTOGRAMS:-bench/results/gamma_sweep_cpu.json}
+
+{ nvidia-smi || true; "$PY" -c "import jax, torch, transformers; print('jax', jax.__version__, \
+jax.devices(), 'torch', torch.__version__, torch.cuda.is_available(), 'transformers', \
+transformers.__version__)"; } > "$OUT/machine.txt" 2>&1
+
+# Two of the histogram file's three prompts, gammas 1..8: about eight of the
+# ten minutes a call may take, most of it compiling (estimated, not yet timed there).
+timeout --signal=INT --kill-after=20 "${BENCH_TIMEOUT_S:-500}" \
+  "$PY" -m bench --random-weights --dtype bfloat16 --device gpu --histograms "$HISTOGRAMS" \
+    --prompts quicksort,js_debounce --gammas 1,2,3,4,5,6,7,8 --reps 3 --max-new-tokens 128 \
+    --out "$JSON" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/log.txt"
+status=${PIPESTATUS[0]}
+echo "bench exit status $status" | tee -a "$OUT/log.txt"
+
+# A run cut short left its records but no ratios, derived figures or plots.
+if [ "$status" != 0 ] && [ "$status" != 1 ]; then
+  "$PY" -m bench.finalize "$JSON" --histograms "$HISTOGRAMS" 2>&1 | tee -a "$OUT/log.txt"
+fi
+[ "$status" = 124 ] && exit 3
+exit "$status"
