@@ -32,7 +32,8 @@ Prompt = Union[str, Sequence[int]]
 _MIN_BUCKET = 16
 MAX_BATCH = 64
 
-# Chosen by `python -m bench` on the real pair (README, "Results"): over the
+# Chosen by `python -m bench` on the real pair (bench/results/HISTORY.md,
+# policies_cpu.json and gamma_sweep_cpu.json; README "Results"): over the
 # code prompts, drafting up to 8 tokens while the draft's top probability is
 # at least 0.5 had the best median speedup of the policies measured. (Those
 # runs predate the greedy fix in `drafters._top_prob`, when greedy rounds
@@ -43,8 +44,8 @@ DEFAULT_GAMMA = {"fixed": 4, "heuristic": 4, "confidence": 8, "cumulative": 16}
 # method "lookup_model" with a stopping policy: a copied span costs one verify
 # however long it is, so a round may copy up to 16 tokens (the model's own
 # drafts still stop on confidence). Measured on the real pair by
-# `python -m bench` (README "Results", interleaved_cpu.json): the edit prompt
-# took 12 rounds instead of 19 at 8 (prefill_cpu.json), and the code prompts'
+# `python -m bench` (bench/results/HISTORY.md, interleaved_cpu.json): the edit
+# prompt took 12 rounds instead of 19 at 8 (prefill_cpu.json), and the code prompts'
 # median speedup was the default's (2.77x against 2.74x).
 DEFAULT_LOOKUP_MODEL_GAMMA = 16
 
