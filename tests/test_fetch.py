@@ -8,6 +8,7 @@ import pathlib
 import sys
 
 import numpy as np
+import platformdirs
 import pytest
 
 from jspec import fetch
@@ -274,7 +275,8 @@ def test_jspec_cache_env_respected(fake, monkeypatch, tmp_path):
 
 def test_cache_dir_default_without_env(monkeypatch, tmp_path):
     monkeypatch.delenv("JSPEC_CACHE", raising=False)
-    monkeypatch.setattr(fetch.platformdirs, "user_cache_dir", lambda app: str(tmp_path / app))
+    # fetch imports platformdirs only here (tests/test_optional_deps.py), so patch the package.
+    monkeypatch.setattr(platformdirs, "user_cache_dir", lambda app: str(tmp_path / app))
     assert fetch.cache_dir() == tmp_path / "jspec"
 
 
