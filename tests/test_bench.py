@@ -225,14 +225,17 @@ def test_the_device_script_runs_the_random_weight_bench_without_gguf(tmp_path, s
   out = tmp_path / "out"
   env = dict(os.environ, OUT=str(out), HISTOGRAMS=str(source), PYTHON=sys.executable,
              PYTHONPATH=str(block), JSPEC_CACHE=str(tmp_path / "cache"),
-             BENCH_ARGS="--smoke --device cpu --dtype float32 --prompts quicksort --gammas 2 "
-                        f"--reps 1 --no-hf --bandwidth-bytes {16 << 20}")
+             PROMPT_SETS="quicksort quicksort,js_debounce",  # the second run resumes the first
+             BENCH_ARGS=f"--smoke --device cpu --dtype float32 --gammas 2 --reps 1 --no-hf "
+                        f"--bandwidth-bytes {16 << 20}")
   done = subprocess.run(["bash", str(ROOT / "bench" / "device_gpu.sh")], env=env,
                         capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   doc = json.loads((out / "suite_gpu_random.json").read_text())
   assert doc["status"] == "complete" and doc["gate"]["passed"]
   assert doc["prompts"]["quicksort"]["modes"]["spec_g2"]["derived"]["tokens_per_s"] > 0
+  assert set(doc["prompts"]["js_debounce"]["modes"]) == {"target", "spec_g2"}
+  assert len(doc["runs"]) == 2  # one file, written by both runs
   assert {p.name for p in out.iterdir()} >= {"log.txt", "machine.txt", "suite_gpu_random.json",
                                              "suite_gpu_random.tokens_per_s.png"}
 
