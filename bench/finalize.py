@@ -13,6 +13,7 @@ is left as it is.
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import sys
 from typing import Optional
@@ -70,7 +71,15 @@ def main(argv=None) -> int:
   if not args.results.is_file():
     print(f"{args.results}: no such results file (the run wrote none)", file=sys.stderr)
     return 2
-  doc = finalize(args.results, args.histograms)
+  if args.histograms and not pathlib.Path(args.histograms).is_file():
+    print(f"--histograms {args.histograms}: no such file (expected a results JSON of the real "
+          "pair)", file=sys.stderr)
+    return 2
+  try:
+    doc = finalize(args.results, args.histograms)
+  except json.JSONDecodeError as e:  # a file cut mid-write by something other than the bench
+    print(f"{args.results} or --histograms: not a results JSON ({e})", file=sys.stderr)
+    return 2
   print(report.render(doc, mode_order(doc)))
   print(f"{args.results}: {doc['status']}")
   return 0

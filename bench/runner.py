@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from bench import derive
 from bench import engine
+from bench import finalize
 from bench import machine
 from bench import memory
 from bench import models
@@ -96,11 +97,7 @@ def _prompt_ids(prompt, loaded: models.Loaded, hist_doc: Optional[dict]) -> tupl
 
 def _mode_order(doc: dict[str, Any], chosen: list[modes_lib.Mode]) -> list[str]:
   order = [m.name for m in chosen]
-  for entry in doc["prompts"].values():
-    for m in entry.get("modes", {}):
-      if m not in order:
-        order.append(m)
-  return order
+  return order + [m for m in finalize.mode_order(doc) if m not in order]
 
 
 def _progress(where: str, name: str, mode: str, rec: dict[str, Any], base: Optional[dict]):

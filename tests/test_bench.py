@@ -212,6 +212,8 @@ def test_a_cut_short_run_is_finalized_from_its_records(tmp_path, smoke_run, caps
   assert all(pathlib.Path(p).is_file() for p in doc["plots"]) and len(doc["plots"]) == 3
   assert "CORRECTNESS: PASS" in capsys.readouterr().out
   assert finalize.main([str(tmp_path / "none.json")]) == 2
+  assert finalize.main([str(out), "--histograms", str(tmp_path / "none.json")]) == 2
+  assert "--histograms" in capsys.readouterr().err
 
 
 def test_the_device_script_runs_the_random_weight_bench_without_gguf(tmp_path, smoke_run):
