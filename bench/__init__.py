@@ -9,6 +9,7 @@ Modules, one idea each:
   prompts   the fixed suite and the HumanEval prompts
   modes     which jspec settings and peers a run measures
   shapes    model configs: the real pair's shapes, tiny smoke shapes
+  models    the pair a run measures, prepared as `jspec.load` prepares it
   memory    memory bandwidth, peak RSS, weight bytes read per forward
   engine    one jspec mode on one prompt: warm-up, repetitions, medians
   peers     HF transformers `generate` (target alone, assisted) in a child process
@@ -16,4 +17,7 @@ Modules, one idea each:
   report    the tables printed to stdout
   plots     PNGs beside the JSON
   runner    the whole run
+  finalize  ratios, verdicts and plots of a run cut short
+  batch     batch 1 against batch 4 on the real pair (`python -m bench.batch`)
+  tools     one-off measurements behind the design choices (`python -m bench.tools.<name>`)
 """

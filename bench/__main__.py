@@ -50,29 +50,22 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
   what.add_argument("--prompts", help="a count (first N), a slice (4:8), or comma-separated "
                                       "names and kinds (code, edit, chat)")
   what.add_argument("--modes", help="comma-separated modes (target, spec_g<G>, heuristic, "
-                                    "confidence, prompt_lookup, lookup_model, hf_target, "
-                                    "hf_assisted) or groups (spec, adaptive, lookup, hf, "
-                                    "jspec); target is always run")
+                                    "confidence, confidence_f32, prompt_lookup, lookup_model, "
+                                    "hf_target, hf_assisted) or groups (spec, adaptive, lookup, "
+                                    "hf, jspec); target is always run")
   what.add_argument("--gammas", type=_ints, help="fixed gammas (default 1,2,...,8)")
   what.add_argument("--adaptive-gamma-max", type=int, default=8,
                     help="static gamma bound of the adaptive policies (default 8)")
-  what.add_argument("--cumulative-gamma-max", type=int, default=16,
-                    help="static gamma bound of the cumulative policy (default 16)")
   what.add_argument("--lookup-model-gamma-max", type=int, default=16,
                     help="static gamma bound of lookup_model (default 16)")
   what.add_argument("--min-confidence", type=float, default=0.5,
-                    help="threshold of the confidence and cumulative policies (default 0.5)")
+                    help="threshold of the confidence policy (default 0.5)")
   what.add_argument("--lookup-gamma", type=int, default=4, help="prompt lookup drafts (default 4)")
   what.add_argument("--ngram", type=int, default=3, help="prompt lookup n-gram (default 3)")
-  what.add_argument("--draft-vocab", type=int,
-                    help="cut the draft's output head to the first N token ids in every "
-                         "draft-model mode (jspec.generate's draft_vocab; default: full head)")
-  what.add_argument("--head-cuts", type=_ints, default=(),
-                    help="add a confidence_v<N> mode for each N: the confidence policy with "
-                         "the draft's head cut to the first N token ids (e.g. 32768,65536)")
   what.add_argument("--float-draft", action="store_true",
-                    help="add a confidence_f32 mode: the confidence policy with the draft's "
-                         "float weights (the default drafts with int8 ones on CPU)")
+                    help="add a confidence_f32 mode: the confidence policy with a second "
+                         "draft loaded with its float weights (the default drafts with int8 "
+                         "ones on CPU)")
   what.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 128)")
   what.add_argument("--reps", type=int, help="timed repetitions; figures are medians (default 3)")
   what.add_argument("--stop-at-eos", action="store_true",
@@ -125,7 +118,6 @@ def _defaults(opts: argparse.Namespace) -> argparse.Namespace:
     opts.bandwidth_bytes = (64 << 20) if smoke else (1 << 30)
   if smoke:
     opts.adaptive_gamma_max = min(opts.adaptive_gamma_max, max(opts.gammas) + 1)
-    opts.cumulative_gamma_max = min(opts.cumulative_gamma_max, max(opts.gammas) + 1)
     opts.lookup_model_gamma_max = min(opts.lookup_model_gamma_max, max(opts.gammas) + 1)
   if opts.random_weights and opts.modes is None:
     # On random weights only round costs mean anything: target, fixed gammas, the HF target.

@@ -10,7 +10,8 @@ Repetitions are interleaved across modes (target, A, B, target, A, B, ...):
 this machine's memory bandwidth is shared and swings by a third over minutes,
 and a memory-bound target-only step feels it more than a verify does, so
 timing each mode's repetitions back to back put a swing on whichever mode
-happened to run during it, and the ratios with it.
+happened to run during it, and the ratios with it. A bundle is prepared
+once at load and no call changes it, so alternating modes costs nothing.
 """
 
 from __future__ import annotations
@@ -22,50 +23,25 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import jspec
 from bench import memory
 from bench import modes as modes_lib
-from jspec import api
-from jspec import greedy_head
-
-_FRESH = ("compile_s", "relayout_s", "quantize_s")
+from convert import config as config_lib
 
 
 def _median(values: Sequence[float]) -> float:
   return float(statistics.median(values)) if values else float("nan")
 
 
-def interleavable(bundle: jspec.Bundle, modes: Sequence[modes_lib.Mode]) -> bool:
-  """Whether the modes' calls can alternate without relaying the target out between them.
-
-  Without jspec's CPU kernel target-only and the speculative methods store
-  the target differently (`api.target_layout`), so alternating them would
-  convert the weights before every call (seconds each, and a warm-up).
-
-  Args:
-    bundle: the loaded pair.
-    modes: jspec modes.
-
-  Returns:
-    True when every mode uses the same target layout.
-  """
-  where = api.platform(bundle)
-  kinds = {api.target_layout(m.kwargs.get("method", "model"), 1, where) for m in modes}
-  return len(kinds) <= 1
-
-
 def run_modes(bundle: jspec.Bundle, ids: list[int], modes: Sequence[modes_lib.Mode],
               max_new_tokens: int, reps: int, stop_at_eos: bool, target_bytes: int,
               draft_bytes: Mapping[str, Optional[int]],
-              interleave: bool = True,
-              read_roof: Optional[Callable[[], Optional[float]]] = None
+              read_roof: Optional[Callable[[], Optional[float]]] = None,
+              bundles: Optional[Mapping[str, jspec.Bundle]] = None
               ) -> dict[str, dict[str, Any]]:
   """Measures jspec modes on one prompt.
 
-  Every mode first gets one call that is thrown away if it compiled (or laid
-  the target out, or made the int8 draft); then repetition r of every mode
-  runs before repetition r + 1 of any (with `interleave`), or each mode's
-  repetitions back to back (without: when modes need different target
-  layouts, see `interleavable`). A mode's compiled programs are kept until
-  the caller releases them (`api.release_programs`), so alternating
-  compiles nothing.
+  Every mode first gets one call that is thrown away if it compiled; then
+  repetition r of every mode runs before repetition r + 1 of any. A mode's
+  compiled programs are kept until the caller releases them
+  (`jspec.programs.release`), so alternating compiles nothing.
 
   Args:
     bundle: the loaded pair.
@@ -77,19 +53,21 @@ def run_modes(bundle: jspec.Bundle, ids: list[int], modes: Sequence[modes_lib.Mo
     target_bytes: weight bytes one target forward reads (`memory.forward_bytes`).
     draft_bytes: mode name -> the draft's weight bytes per draft forward
       (None without one).
-    interleave: alternate the modes' repetitions.
     read_roof: a memory bandwidth read (GB/s, or None where it failed),
       taken just before and just after each target-only call: each timed
       repetition then gets the mean of its two reads (`_paired_roof`).
+    bundles: mode name -> the bundle that mode runs where it is not
+      `bundle` (a float-draft mode's, `bench.models.Loaded.bundle_for`).
 
   Returns:
     Mode name -> its record for the results JSON: token_ids (of the first
     timed repetition), reps_identical, new_tokens, medians (tokens_per_s,
     decode_tokens_per_s, prefill_s, decode_s), per-repetition timings, the
     engine's counters (rounds, acceptance, histogram, gamma trace),
-    compile_s, relayout_s, quantize_s and warmup_s, and achieved_gbs (with
-    read_roof, target-only's paired_roofline_fraction too).
+    compile_s and warmup_s, and achieved_gbs (with read_roof, target-only's
+    paired_roofline_fraction too).
   """
+  bundles = bundles or {}
   runs: dict[str, list] = {m.name: [] for m in modes}
   roofs: dict[str, list] = {m.name: [] for m in modes}  # per timed call: [before, after] GB/s
   warm: dict[str, tuple] = {}
@@ -98,29 +76,21 @@ def run_modes(bundle: jspec.Bundle, ids: list[int], modes: Sequence[modes_lib.Mo
     paired = read_roof is not None and m.kwargs.get("method") == "target"
     before = read_roof() if paired else None
     t0 = time.perf_counter()
-    result = jspec.generate(bundle, ids, max_new_tokens=max_new_tokens, temperature=0.0,
-                            stop_at_eos=stop_at_eos, **m.kwargs)
+    result = jspec.generate(bundles.get(m.name, bundle), ids, max_new_tokens=max_new_tokens,
+                            temperature=0.0, stop_at_eos=stop_at_eos, **m.kwargs)
     wall = time.perf_counter() - t0
     after = read_roof() if paired else None
-    # A call that compiled, first laid the target out for this mode
-    # (`jspec.layout`) or first made the int8 draft (freshly written
-    # weights) is a warm-up.
-    if m.name not in warm and any(result.stats[k] > 0 for k in _FRESH):
+    if m.name not in warm and result.stats["compile_s"] > 0:  # a freshly built program
       warm[m.name] = (result, wall)
     else:
       runs[m.name].append(result)
       roofs[m.name].append([before, after])
 
-  if interleave:
-    while any(len(runs[m.name]) < reps for m in modes):
-      for m in modes:
-        if len(runs[m.name]) < reps:
-          call(m)
-  else:
+  while any(len(runs[m.name]) < reps for m in modes):
     for m in modes:
-      while len(runs[m.name]) < reps:
+      if len(runs[m.name]) < reps:
         call(m)
-  one_row = one_row_bytes(bundle.target.params, target_bytes)
+  one_row = one_row_bytes(bundle.target.cfg, bundle.target.params, target_bytes)
   records = {m.name: _record(m, runs[m.name], warm.get(m.name), target_bytes,
                              draft_bytes[m.name], one_row)
              for m in modes}
@@ -159,32 +129,34 @@ def _paired_roof(record: dict[str, Any], reads: list[list[Optional[float]]]) -> 
   record["paired_roofline_fraction"] = _median(fractions) if fractions else None
 
 
-def one_row_bytes(params: dict, target_bytes: int) -> Optional[int]:
+def one_row_bytes(cfg: config_lib.Qwen2Config, params: dict,
+                  target_bytes: int) -> Optional[int]:
   """Weight bytes of a greedy one-row target forward that reads the int8 head (`jspec.greedy_head`).
 
   Args:
-    params: the target's params as the run left them.
-    target_bytes: weight bytes of one target forward (the float32 head read whole).
+    cfg: the target's config.
+    params: the target's params as prepared.
+    target_bytes: weight bytes of one target forward (the float32 head read
+      whole, `memory.forward_bytes`).
 
   Returns:
-    target_bytes with the float32 head's bytes replaced by the int8 copy's
-    (the candidates' few float rows not counted), or None when the target
-    carries no int8 head.
+    target_bytes with the float32 head's bytes replaced by the greedy
+    head's (the candidates' few float rows not counted), or None when the
+    target carries no greedy head.
   """
-  if greedy_head.PARAM not in params:
+  if params.get("greedy_head") is None:
     return None
-  panels = greedy_head.table(params)
-  return int(target_bytes - panels.nbytes + memory.param_bytes(params[greedy_head.PARAM]))
+  return int(target_bytes - memory.head_bytes(cfg, params) + memory.greedy_head_bytes(params))
 
 
 def _record(mode: modes_lib.Mode, runs: list, warm: Optional[tuple], target_bytes: int,
             draft_bytes: Optional[int], one_row: Optional[int]) -> dict[str, Any]:
   """One mode's record from its timed calls and its warm-up (see `run_modes`)."""
-  compile_s = relayout_s = quantize_s = 0.0
+  compile_s = 0.0
   warmup_s, warmup_ids = None, None
   if warm is not None:
     result, warmup_s = warm
-    compile_s, relayout_s, quantize_s = (result.stats[k] for k in _FRESH)
+    compile_s = result.stats["compile_s"]
     warmup_ids = result.token_ids
   first, last = runs[0], runs[-1]
   every_ids = [r.token_ids for r in runs] + ([warmup_ids] if warmup_ids is not None else [])
@@ -209,8 +181,6 @@ def _record(mode: modes_lib.Mode, runs: list, warm: Optional[tuple], target_byte
       "reps": [{"prefill_s": r.stats["prefill_s"], "decode_s": r.stats["decode_s"],
                 "tokens_per_s": r.stats["tokens_per_s"]} for r in runs],
       "compile_s": compile_s,
-      "relayout_s": relayout_s,
-      "quantize_s": quantize_s,
       "warmup_s": warmup_s,
       "rounds": stats["rounds"],
       "drafted": stats["drafted"],

@@ -74,35 +74,69 @@ def device_peak_bytes() -> Optional[int]:
 
 
 def param_bytes(params: Any) -> int:
-  """Bytes of every array in a params pytree.
+  """Bytes of every array in a params tree: what the model holds in memory.
 
   Args:
-    params: a jspec params pytree.
+    params: a jspec params tree (`jspec.Model.params`), its greedy head included.
 
   Returns:
-    The total of `nbytes` over its leaves.
+    The bytes (`jspec.weights.nbytes`).
   """
-  import jax  # pylint: disable=import-outside-toplevel
-  return int(sum(leaf.nbytes for leaf in jax.tree.leaves(params)))
+  from jspec import weights  # pylint: disable=import-outside-toplevel (imports JAX)
+  return weights.nbytes(params)
 
 
-def forward_bytes(params: Any, tie_word_embeddings: bool) -> int:
-  """Weight bytes one forward pass reads: every weight once, except an untied embedding.
-
-  An untied embedding table is only gathered (one row per token, negligible);
-  a tied one is read in full as the output head. KV-cache reads are not
-  counted: at these lengths they are tens of MB against GBs of weights.
+def greedy_head_bytes(params: Any) -> int:
+  """Bytes of a target's greedy head (`jspec.greedy_head`), 0 when it has none.
 
   Args:
-    params: a jspec params pytree.
-    tie_word_embeddings: whether the output head reuses the embedding table.
+    params: a jspec params tree.
+
+  Returns:
+    The bytes of `params["greedy_head"]`.
+  """
+  from jspec import weights  # pylint: disable=import-outside-toplevel
+  return weights.nbytes(params.get("greedy_head"))
+
+
+def head_bytes(cfg: Any, params: Any) -> int:
+  """Bytes of a model's output head leaf (`jspec.model.head_of`: the token table when tied).
+
+  Args:
+    cfg: the model's config.
+    params: its params tree.
+
+  Returns:
+    The bytes.
+  """
+  from jspec import model  # pylint: disable=import-outside-toplevel
+  from jspec import weights  # pylint: disable=import-outside-toplevel
+  return weights.nbytes(model.head_of(model.merge(cfg, params)))
+
+
+def forward_bytes(cfg: Any, params: Any) -> int:
+  """Weight bytes one forward pass reads: every array once, except an untied table's lookup.
+
+  An untied embedding table is only gathered (one row per token,
+  negligible); a tied one is read in full as the output head. The greedy
+  head is not read by a forward of the whole head: a greedy one-row step
+  reads it instead of the head (`bench.engine.one_row_bytes`). KV-cache
+  reads are not counted: at these lengths they are tens of MB against GBs
+  of weights.
+
+  Args:
+    cfg: the model's config.
+    params: its params tree, matrices as typed leaves (`jspec.weights`).
 
   Returns:
     Bytes.
   """
-  total = param_bytes(params)
-  if not tie_word_embeddings:
-    total -= param_bytes(params["embed_tokens"])  # `embedding`, or an int8 table and its scales
+  from jspec import model  # pylint: disable=import-outside-toplevel
+  from jspec import weights  # pylint: disable=import-outside-toplevel
+  module = model.merge(cfg, params)
+  total = weights.nbytes(params) - greedy_head_bytes(params)
+  if module.head is not None:  # untied: the token table is only looked up
+    total -= weights.nbytes(module.embed.table.get_value())
   return total
 
 

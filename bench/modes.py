@@ -7,14 +7,9 @@ Mode names are the keys of the results JSON:
   heuristic         jspec, draft model, gamma +2 after a fully accepted round, -1 otherwise
   confidence        jspec, draft model, drafting stops when the draft's top
                     probability falls below --min-confidence
-  cumulative        jspec, draft model, drafting stops when the product of the
-                    draft's top probabilities over the round falls below
-                    --min-confidence (up to --cumulative-gamma-max drafts)
-  confidence_v<N>   the same with the draft's output head cut to the first N
-                    token ids (--head-cuts; jspec.generate's draft_vocab)
-  confidence_f32    the same with the draft's float weights, where the
-                    default drafts with int8 ones (--float-draft;
-                    jspec.generate's draft_int8=False)
+  confidence_f32    the same with a second draft loaded with its float
+                    weights, where the default drafts with int8 ones on CPU
+                    (--float-draft; `jspec.Settings(draft_int8=False)`)
   prompt_lookup     jspec, drafts copied from earlier n-grams (no draft model)
   lookup_model      jspec, prompt lookup where the last n-gram occurred before,
                     the draft model (confidence policy) where it did not (up
@@ -31,7 +26,7 @@ from typing import Any, Optional, Sequence
 HF_MODES = ("hf_target", "hf_assisted")
 GROUPS = {
     "spec": "every spec_g<G> of --gammas",
-    "adaptive": "heuristic, confidence and cumulative",
+    "adaptive": "heuristic and confidence (and confidence_f32 with --float-draft)",
     "lookup": "prompt_lookup and lookup_model",
     "hf": "hf_target and hf_assisted",
     "jspec": "every jspec mode",
@@ -46,8 +41,12 @@ class Mode:
     name: key in the results (see the module docstring).
     engine: "jspec" or "hf".
     group: "target", "spec", "adaptive", "lookup" or "hf".
-    kwargs: keyword arguments of `jspec.generate` (jspec modes only).
+    kwargs: fields of `jspec.Options`, as keyword arguments of
+      `jspec.generate` (jspec modes only).
     gamma: the fixed gamma of a spec_g<G> mode, else None.
+    draft_int8: how the draft this mode runs is loaded
+      (`jspec.Settings.draft_int8`): None the run's bundle (int8 on CPU),
+      False a second draft with its float weights.
   """
 
   name: str
@@ -55,6 +54,7 @@ class Mode:
   group: str
   kwargs: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
   gamma: Optional[int] = None
+  draft_int8: Optional[bool] = None
 
   @property
   def uses_draft(self) -> bool:
@@ -67,32 +67,24 @@ class Mode:
 
 
 def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: float,
-              lookup_gamma: int, ngram: int, draft_vocab: Optional[int] = None,
-              head_cuts: Sequence[int] = (), float_draft: bool = False,
-              cumulative_gamma_max: int = 16, lookup_model_gamma_max: int = 16) -> list[Mode]:
+              lookup_gamma: int, ngram: int, float_draft: bool = False,
+              lookup_model_gamma_max: int = 16) -> list[Mode]:
   """Every mode a default run measures, in report order.
 
   Args:
     gammas: fixed gammas for the spec_g<G> modes.
     adaptive_gamma_max: static gamma bound of the adaptive policies.
-    min_confidence: threshold of the "confidence" and "cumulative" policies.
+    min_confidence: threshold of the "confidence" policy.
     lookup_gamma: drafts per round of prompt lookup.
     ngram: n-gram length of prompt lookup.
-    draft_vocab: cut the draft's output head to this many ids in every
-      draft-model mode (None: the full head).
-    head_cuts: for each N, one more confidence mode whose draft head keeps
-      the first N ids, so cuts compare with the full head in one run.
     float_draft: one more confidence mode whose draft keeps its float
       weights, to compare with the int8 draft of the default in one run.
-    cumulative_gamma_max: static gamma bound of the cumulative policy (its
-      product of probabilities stops rounds by itself, so its cap is higher).
+    lookup_model_gamma_max: static gamma bound of lookup_model.
 
   Returns:
     The modes.
   """
   draft = {"method": "model"}
-  if draft_vocab is not None:
-    draft["draft_vocab"] = draft_vocab
   modes = [Mode("target", "jspec", "target", {"method": "target"})]
   for g in gammas:
     modes.append(Mode(f"spec_g{g}", "jspec", "spec",
@@ -106,16 +98,9 @@ def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: fl
   modes.append(Mode("confidence", "jspec", "adaptive",
                     {**draft, "gamma": g_max, "gamma_max": g_max,
                      "policy": "confidence", "min_confidence": min_confidence}))
-  confidence = modes[-1]
-  modes.append(Mode("cumulative", "jspec", "adaptive",
-                    {**draft, "gamma": cumulative_gamma_max, "gamma_max": cumulative_gamma_max,
-                     "policy": "cumulative", "min_confidence": min_confidence}))
-  for cut in head_cuts:
-    modes.append(Mode(f"confidence_v{cut}", "jspec", "adaptive",
-                      {**confidence.kwargs, "draft_vocab": cut}))
   if float_draft:
-    modes.append(Mode("confidence_f32", "jspec", "adaptive",
-                      {**confidence.kwargs, "draft_int8": False}))
+    modes.append(Mode("confidence_f32", "jspec", "adaptive", dict(modes[-1].kwargs),
+                      draft_int8=False))
   modes.append(Mode("prompt_lookup", "jspec", "lookup",
                     {"method": "prompt_lookup", "gamma": lookup_gamma, "ngram": ngram,
                      "policy": "fixed"}))
@@ -158,5 +143,16 @@ def select(modes: Sequence[Mode], spec: Optional[str], hf: bool = True) -> list[
 
 
 def describe(mode: Mode) -> dict[str, Any]:
-  """The settings of a mode as recorded in the results JSON."""
-  return {"engine": mode.engine, "group": mode.group, "gamma": mode.gamma, **mode.kwargs}
+  """The settings of a mode as recorded in the results JSON.
+
+  Args:
+    mode: the mode.
+
+  Returns:
+    Its engine, group, gamma and `jspec.generate` arguments, and
+    draft_int8 where the mode loads its own draft.
+  """
+  out = {"engine": mode.engine, "group": mode.group, "gamma": mode.gamma, **mode.kwargs}
+  if mode.draft_int8 is not None:
+    out["draft_int8"] = mode.draft_int8
+  return out

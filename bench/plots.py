@@ -58,7 +58,6 @@ def speedup_vs_gamma(doc: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
     ax.plot(*zip(*med), color="black", linewidth=3, marker="s", label="suite median")
   summary = doc.get("summary", {})
   for mode, color in (("heuristic", "tab:purple"), ("confidence", "tab:green"),
-                      ("cumulative", "tab:olive"),
                       ("prompt_lookup", "tab:orange"), ("lookup_model", "tab:brown"),
                       ("hf_assisted", "tab:red")):
     value = results.value(summary[mode], "speedup_vs_target") if mode in summary else None

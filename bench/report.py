@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from bench import results
 
-_SHORT = {"target": "target", "heuristic": "heur", "confidence": "conf", "cumulative": "cum",
+_SHORT = {"target": "target", "heuristic": "heur", "confidence": "conf",
           "prompt_lookup": "lookup", "lookup_model": "lkp+mdl", "hf_target": "hf",
           "hf_assisted": "hf+asst"}
 

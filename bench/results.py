@@ -373,7 +373,7 @@ def targets(doc: dict[str, Any]) -> dict[str, Any]:
   out["target_speedup_vs_hf_target"].update(
       bracketed=bracketed is not None, before_hf_only=base.get("speedup_vs_hf_target"))
   drafted = {m: r for m, r in s.items()
-             if m.startswith(("spec_g", "confidence")) or m in ("heuristic", "cumulative")}
+             if m.startswith(("spec_g", "confidence")) or m == "heuristic"}
   code = {m: r.get("by_kind", {}).get("code", {}) for m, r in drafted.items()}
   best = max((m for m in code if code[m].get("speedup_vs_target") is not None),
              key=lambda m: code[m]["speedup_vs_target"], default=None)

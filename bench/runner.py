@@ -31,7 +31,8 @@ from bench import plots
 from bench import prompts as prompts_lib
 from bench import report
 from bench import results
-from jspec import api
+from jspec import options as options_lib
+from jspec import programs
 
 
 class UsageError(ValueError):
@@ -111,24 +112,20 @@ def _progress(where: str, name: str, mode: str, rec: dict[str, Any], base: Optio
   _log(f"{where}{name} {mode}: {rec['tokens_per_s']:.2f} tok/s{speed}{extra}{compile_s}")
 
 
-def _draft_bytes(bundle, mode: modes_lib.Mode) -> Optional[int]:
-  """Weight bytes of one draft step in this mode: its int8 or float weights, its head cut or not.
+def _draft_bytes(loaded: models.Loaded, mode: modes_lib.Mode) -> Optional[int]:
+  """Weight bytes of one draft step in this mode: those of the draft it runs, int8 or float.
 
-  Made ready here (outside any timing) when the mode runs the draft.
+  Args:
+    loaded: the run's models.
+    mode: a jspec mode.
+
+  Returns:
+    Bytes (`memory.forward_bytes`), or None when the mode runs no draft model.
   """
-  if bundle.draft is None or mode.kwargs.get("method") not in ("model", "lookup_model"):
+  draft = loaded.bundle_for(mode).draft
+  if draft is None or not options_lib.Options(**mode.kwargs).uses_draft:
     return None
-  int8 = mode.kwargs.get("draft_int8")
-  if int8 is None:
-    int8 = api.draft_int8_default(api.platform(bundle))
-  weights = bundle.draft_weights(mode.kwargs.get("draft_vocab"), int8)
-  cfg = bundle.draft.cfg
-  total = memory.forward_bytes(weights.params, cfg.tie_word_embeddings)
-  if weights.head is not None:  # the cut head is read in place of the full table
-    full = memory.param_bytes(weights.params["embed_tokens"] if cfg.tie_word_embeddings else
-                              {k: v for k, v in weights.params.items() if "lm_head" in k})
-    total += memory.param_bytes(weights.head) - full
-  return total
+  return memory.forward_bytes(draft.cfg, draft.params)
 
 
 def _platform(opts) -> Optional[str]:
@@ -171,7 +168,7 @@ def _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order) -> bool:
     return True
   _log("loading models")
   loaded = models.load(opts.model, opts.target, opts.draft, opts.dtype, opts.random_weights,
-                       opts.smoke)
+                       opts.smoke, float_draft=any(m.draft_int8 is False for m in jmodes))
   # The ids jspec stops at under --stop-at-eos (as `jspec.generate` picks
   # them), so that the HF peers stop at the same ones.
   eos = (getattr(loaded.bundle.tokenizer, "eos_token_ids", ())
@@ -190,26 +187,23 @@ def _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order) -> bool:
   results.write(doc, out)
   total = len(prompt_list) * len(jmodes)
   done = 0
-  interleave = engine.interleavable(bundle, jmodes)
-  if not interleave:
-    _log("the modes lay the target out differently (no CPU kernel): each mode's "
-         "repetitions run back to back, not interleaved")
+  d_bytes = {m.name: _draft_bytes(loaded, m) for m in jmodes}
+  bundles = {m.name: loaded.bundle_for(m) for m in jmodes}
   last_read = None  # the bandwidth read just after the previous prompt's records
   for p in prompt_list:
     entry = doc["prompts"][p.name]
     todo = [m for m in jmodes if not results.has(doc, p.name, m.name)]
-    d_bytes = {m.name: _draft_bytes(bundle, m) for m in todo}
     before = (last_read if last_read is not None else _bandwidth_read(opts)) if todo else None
     read_roof = None if opts.no_paired_reads else lambda: _bandwidth_read(opts)
     recs = engine.run_modes(bundle, entry["prompt_ids"], todo, opts.max_new_tokens, opts.reps,
-                            opts.stop_at_eos, t_bytes, d_bytes, interleave,
-                            read_roof) if todo else {}
+                            opts.stop_at_eos, t_bytes, d_bytes, read_roof,
+                            bundles) if todo else {}
     # The prompt's programs go once it is measured: kept for the next
     # prompts they pile up (about 150 MB per program pair, some 30 pairs over
     # the suite) to 1.6x the weights in peak RSS. A later prompt of the same
     # bucket compiles again (mostly a load from the persistent cache), and
     # its first call is a warm-up.
-    api.release_programs()
+    programs.release()
     memory.release_freed()
     if todo:
       last_read = _bandwidth_read(opts)
@@ -231,15 +225,18 @@ def _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order) -> bool:
       break
   peak = memory.peak_rss_bytes()
   both = loaded.info["target"]["param_bytes"] + loaded.info["draft"]["param_bytes"]
+  float_draft = loaded.info.get("float_draft", {}).get("param_bytes")
+  held = both + (float_draft or 0)
   doc["memory"] = {"peak_rss_bytes": peak, "param_bytes_both": both,
-                   "peak_rss_over_param_bytes": peak / both if both else None,
+                   "param_bytes_float_draft": float_draft,
+                   "peak_rss_over_param_bytes": peak / held if held else None,
                    "device_peak_bytes": memory.device_peak_bytes(),
                    "note": "peak RSS of the jspec process over the whole run (loading, "
-                           "compiling, decoding) over the parameter bytes both models were "
-                           "loaded with; once the draft's int8 copy is made the bundle frees "
-                           "the float draft and reads it back only for a float-draft mode "
-                           "(jspec.Bundle.reload_draft); the HF peers run in a child process"}
-  del loaded, bundle
+                           "compiling, decoding) over the parameter bytes of the models it "
+                           "held, as prepared at load (the target with its greedy head, the "
+                           "draft in int8 on CPU, and the float draft of a --float-draft run); "
+                           "the HF peers run in a child process"}
+  del loaded, bundle, bundles
   gc.collect()
   memory.release_freed()
   # What the jspec process still holds while the HF child runs beside it.
@@ -304,8 +301,8 @@ def _target_after_hf(opts, doc, out, chosen, measured, order) -> None:
   as the engines'. Timed on both sides of the HF phase, jspec's target-only
   speed while HF ran is estimated by the mean of the two
   (`results.ratios`: speedup_vs_hf_target_bracketed). The target is loaded
-  again (the jspec phase freed it for the HF child), laid out, compiled and
-  warmed up as before; its ids must equal the first measurement's (the gate).
+  and prepared again (the jspec phase freed it for the HF child), compiled
+  and warmed up as before; its ids must equal the first measurement's (the gate).
 
   Args:
     opts: the run's options.
@@ -330,7 +327,7 @@ def _target_after_hf(opts, doc, out, chosen, measured, order) -> None:
     before = last_read
     rec = engine.run_modes(loaded.bundle, entry["prompt_ids"], [target], opts.max_new_tokens,
                            opts.reps, opts.stop_at_eos, t_bytes, {"target": None})["target"]
-    api.release_programs()
+    programs.release()
     memory.release_freed()
     last_read = _bandwidth_read(opts)
     first = entry["modes"]["target"]
@@ -376,11 +373,14 @@ def run(opts: argparse.Namespace, argv: Optional[list[str]] = None) -> int:
   """
   start = time.perf_counter()
   all_modes = modes_lib.all_modes(opts.gammas, opts.adaptive_gamma_max, opts.min_confidence,
-                                  opts.lookup_gamma, opts.ngram, opts.draft_vocab,
-                                  opts.head_cuts, opts.float_draft, opts.cumulative_gamma_max,
+                                  opts.lookup_gamma, opts.ngram, opts.float_draft,
                                   opts.lookup_model_gamma_max)
   try:
     chosen = modes_lib.select(all_modes, opts.modes, hf=not opts.no_hf)
+    for m in chosen:  # a bad option fails here, before anything is loaded
+      if m.engine == "jspec":
+        options_lib.make(max_new_tokens=opts.max_new_tokens, stop_at_eos=opts.stop_at_eos,
+                         **m.kwargs)
     prompt_list = _prompt_list(opts)
     settings = _settings(opts, chosen, prompt_list)
     out = pathlib.Path(opts.out)

@@ -12,7 +12,7 @@ import pathlib
 import sys
 from typing import Optional
 
-from jspec import config as config_lib
+from convert import config as config_lib
 
 # Qwen2.5-Coder-1.5B-Instruct and -0.5B-Instruct as their Q4_K_M GGUF files
 # describe them (read with `convert.gguf_file`). Both files carry a separate

@@ -1,7 +1,8 @@
 """Checkpoints -> jspec (config, params): HF safetensors directories, GGUF files, jspec files.
 
-    cfg, params = convert.load_checkpoint("qwen2.5-coder-1.5b.gguf")
-    logits, cache = jspec.model.forward(params, cfg, tokens, cache)
+    cfg, tensors = convert.load_checkpoint("qwen2.5-coder-1.5b.gguf")
+    # {"embed/table": [V, D], "layers/0/attn/q/w": [D, N*H], ...}: `jspec.loading` makes
+    # them the model's params tree
 
 Every source is read tensor by tensor and each tensor is placed on the device
 as soon as it is converted, so the host never holds a second copy of the
@@ -22,7 +23,7 @@ from convert import gguf_file
 from convert import hf
 from convert import keys
 from convert import store
-from jspec import config as config_lib
+from convert import config as config_lib
 
 ConvertError = keys.ConvertError
 
@@ -61,7 +62,7 @@ def open_source(path):
 
 
 def assemble(source, dtype: Any = "float32", put: Optional[Callable[[np.ndarray], Any]] = None,
-             progress: bool = False) -> tuple[config_lib.Qwen2Config, dict]:
+             progress: bool = False) -> tuple[config_lib.Qwen2Config, dict[str, Any]]:
   """Reads, checks and converts every tensor of an open source.
 
   Args:
@@ -71,7 +72,7 @@ def assemble(source, dtype: Any = "float32", put: Optional[Callable[[np.ndarray]
     progress: show a tqdm bar over tensors on stderr.
 
   Returns:
-    (config, params pytree).
+    (config, {jspec path: tensor}).
   """
   assembler = keys.Assembler(source.config, dtype, put, source=str(source.path))
   names = tqdm.tqdm(source.names, desc=f"converting {source.path.name}", unit="tensor",
@@ -82,7 +83,7 @@ def assemble(source, dtype: Any = "float32", put: Optional[Callable[[np.ndarray]
 
 
 def load_checkpoint(path, dtype: Any = "float32",
-                    progress: bool = False) -> tuple[config_lib.Qwen2Config, dict]:
+                    progress: bool = False) -> tuple[config_lib.Qwen2Config, dict[str, Any]]:
   """Loads any supported checkpoint as jspec (config, params) on the default device.
 
   Args:
@@ -92,11 +93,11 @@ def load_checkpoint(path, dtype: Any = "float32",
     progress: show a progress bar over tensors.
 
   Returns:
-    (Qwen2Config, params pytree of jax arrays) for `jspec.model.forward`.
+    (Qwen2Config, {jspec path: jax array}) (`keys.expected_shapes` names them).
 
   Raises:
     ConvertError: the checkpoint is unreadable or does not match a Qwen2 model.
-    jspec.config.ConfigError: its config asks for something jspec does not implement.
+    config.ConfigError: its config asks for something jspec does not implement.
   """
   path = pathlib.Path(path)
   if store.is_jspec_file(store.resolve_path(path)):
@@ -123,7 +124,7 @@ def convert_checkpoint(src, out, dtype: Any = "float32", progress: bool = False)
   keys.resolve_dtype(dtype)  # fail before the slow part
   source = open_source(src)
   try:
-    cfg, params = assemble(source, dtype, put=None, progress=progress)
+    cfg, tensors = assemble(source, dtype, put=None, progress=progress)
   finally:
     source.close()
-  return store.save(out, cfg, params)
+  return store.save(out, cfg, tensors)

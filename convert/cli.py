@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import convert
 from convert import keys
-from jspec import config as config_lib
+from convert import config as config_lib
 
 
 def build_parser(prog: str = "python -m convert") -> argparse.ArgumentParser:

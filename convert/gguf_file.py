@@ -33,7 +33,7 @@ except ImportError:
   gguf = quants = None
 
 from convert import keys
-from jspec import config as config_lib
+from convert import config as config_lib
 
 MAGIC = b"GGUF"
 # Rows dequantized at once: bounds the dequantizers' temporaries to a few

@@ -18,7 +18,7 @@ import numpy as np
 import safetensors
 
 from convert import keys
-from jspec import config as config_lib
+from convert import config as config_lib
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 INDEX = "model.safetensors.index.json"

@@ -16,9 +16,10 @@ permutes the Q/K rows of LLaMA checkpoints for its interleaved RoPE, but not
 those of qwen2, which it runs with the same half-split RoPE as HF
 (tests/test_convert.py checks this numerically against transformers).
 
-jspec paths are `/`-joined keys of the nested params dict
-(`layers_3/self_attn/q_proj/kernel`), which is also how `convert.store` names
-tensors in its files.
+jspec paths are `/`-joined keys of the model's params tree
+(`layers/3/attn/q/w`: `jspec.model`'s modules define it), which is also how
+`convert.store` names tensors in its files. Matrices come out [in, out]
+(`jspec.weights.Dense`), token tables [V, D] (`jspec.weights.Table`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any, Callable, Iterator, Optional
 import ml_dtypes
 import numpy as np
 
-from jspec import config as config_lib
+from convert import config as config_lib
 
 
 class ConvertError(ValueError):
@@ -73,7 +74,7 @@ class _Rule:
     hf: regex fullmatched against the HF name; group 1 (if any) is the layer.
     path: jspec path; `{layer}` is filled from the match.
     shape: the HF shape as config symbols, e.g. "N*H, D" (see `_symbols`).
-    transpose: HF stores Linear weights [out, in]; flax Dense kernels are [in, out].
+    transpose: HF stores Linear weights [out, in]; jspec's matrices are [in, out].
   """
 
   hf: str
@@ -84,30 +85,27 @@ class _Rule:
 
 _LAYER = r"model\.layers\.(\d+)\."
 _RULES = (
-    _Rule(r"model\.embed_tokens\.weight", "embed_tokens/embedding", "V, D"),
-    _Rule(_LAYER + r"input_layernorm\.weight", "layers_{layer}/input_layernorm/weight", "D"),
-    _Rule(_LAYER + r"post_attention_layernorm\.weight",
-          "layers_{layer}/post_attention_layernorm/weight", "D"),
-    _Rule(_LAYER + r"self_attn\.q_proj\.weight", "layers_{layer}/self_attn/q_proj/kernel",
-          "N*H, D", transpose=True),
-    _Rule(_LAYER + r"self_attn\.q_proj\.bias", "layers_{layer}/self_attn/q_proj/bias", "N*H"),
-    _Rule(_LAYER + r"self_attn\.k_proj\.weight", "layers_{layer}/self_attn/k_proj/kernel",
-          "K*H, D", transpose=True),
-    _Rule(_LAYER + r"self_attn\.k_proj\.bias", "layers_{layer}/self_attn/k_proj/bias", "K*H"),
-    _Rule(_LAYER + r"self_attn\.v_proj\.weight", "layers_{layer}/self_attn/v_proj/kernel",
-          "K*H, D", transpose=True),
-    _Rule(_LAYER + r"self_attn\.v_proj\.bias", "layers_{layer}/self_attn/v_proj/bias", "K*H"),
-    _Rule(_LAYER + r"self_attn\.o_proj\.weight", "layers_{layer}/self_attn/o_proj/kernel",
-          "D, N*H", transpose=True),
-    _Rule(_LAYER + r"mlp\.gate_proj\.weight", "layers_{layer}/mlp/gate_proj/kernel", "F, D",
+    # Token tables stay [V, D] like HF (read by rows; the head multiplies by their transpose).
+    _Rule(r"model\.embed_tokens\.weight", "embed/table", "V, D"),
+    _Rule(_LAYER + r"input_layernorm\.weight", "layers/{layer}/attn_norm/scale", "D"),
+    _Rule(_LAYER + r"post_attention_layernorm\.weight", "layers/{layer}/mlp_norm/scale", "D"),
+    _Rule(_LAYER + r"self_attn\.q_proj\.weight", "layers/{layer}/attn/q/w", "N*H, D",
           transpose=True),
-    _Rule(_LAYER + r"mlp\.up_proj\.weight", "layers_{layer}/mlp/up_proj/kernel", "F, D",
+    _Rule(_LAYER + r"self_attn\.q_proj\.bias", "layers/{layer}/attn/q/b", "N*H"),
+    _Rule(_LAYER + r"self_attn\.k_proj\.weight", "layers/{layer}/attn/k/w", "K*H, D",
           transpose=True),
-    _Rule(_LAYER + r"mlp\.down_proj\.weight", "layers_{layer}/mlp/down_proj/kernel", "D, F",
+    _Rule(_LAYER + r"self_attn\.k_proj\.bias", "layers/{layer}/attn/k/b", "K*H"),
+    _Rule(_LAYER + r"self_attn\.v_proj\.weight", "layers/{layer}/attn/v/w", "K*H, D",
           transpose=True),
-    _Rule(r"model\.norm\.weight", "norm/weight", "D"),
-    # Stored [V, D] like HF (the model's head einsum is "BTD,VD->BTV"), no transpose.
-    _Rule(r"lm_head\.weight", "lm_head", "V, D"),
+    _Rule(_LAYER + r"self_attn\.v_proj\.bias", "layers/{layer}/attn/v/b", "K*H"),
+    _Rule(_LAYER + r"self_attn\.o_proj\.weight", "layers/{layer}/attn/o/w", "D, N*H",
+          transpose=True),
+    _Rule(_LAYER + r"mlp\.gate_proj\.weight", "layers/{layer}/mlp/gate/w", "F, D", transpose=True),
+    _Rule(_LAYER + r"mlp\.up_proj\.weight", "layers/{layer}/mlp/up/w", "F, D", transpose=True),
+    _Rule(_LAYER + r"mlp\.down_proj\.weight", "layers/{layer}/mlp/down/w", "D, F",
+          transpose=True),
+    _Rule(r"model\.norm\.weight", "norm/scale", "D"),
+    _Rule(r"lm_head\.weight", "head/w", "V, D"),
 )
 
 # Tensors that some checkpoints carry but that hold nothing the model needs:
@@ -180,7 +178,7 @@ def _match(hf_name: str, cfg: config_lib.Qwen2Config) -> tuple[_Rule, str]:
 def _rules_for(cfg: config_lib.Qwen2Config) -> Iterator[tuple[str, str, _Rule]]:
   """Every (jspec path, HF name, rule) the model needs."""
   for rule in _RULES:
-    if rule.path == "lm_head" and cfg.tie_word_embeddings:
+    if rule.path == "head/w" and cfg.tie_word_embeddings:
       continue
     layers = range(cfg.num_layers) if "{layer}" in rule.path else [None]
     for layer in layers:
@@ -206,10 +204,10 @@ def expected_shapes(cfg: config_lib.Qwen2Config) -> dict[str, tuple[int, ...]]:
 
 
 def _sort_key(path: str):
-  head = path.split("/")[0]
-  if head.startswith("layers_"):
-    return (1, int(head[len("layers_"):]), path)
-  return ({"embed_tokens": 0, "norm": 2, "lm_head": 3}.get(head, 4), 0, path)
+  parts = path.split("/")
+  if parts[0] == "layers":
+    return (1, int(parts[1]), path)
+  return ({"embed": 0, "norm": 2, "head": 3}.get(parts[0], 4), 0, path)
 
 
 def is_ignored(hf_name: str) -> bool:
@@ -255,38 +253,11 @@ def convert_weight(hf_name: str, array: np.ndarray, cfg: config_lib.Qwen2Config,
   return path, array
 
 
-def set_path(tree: dict, path: str, value: Any) -> None:
-  """Stores `value` at a `/`-joined path of a nested dict, creating levels."""
-  *parents, leaf = path.split("/")
-  for p in parents:
-    tree = tree.setdefault(p, {})
-  tree[leaf] = value
-
-
-def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-  """Nested params dict -> {"layers_0/self_attn/q_proj/kernel": array, ...}.
-
-  Args:
-    tree: the params pytree (nested dicts of arrays).
-    prefix: path prefix (for recursion).
-
-  Returns:
-    path -> leaf.
-  """
-  out = {}
-  for k, v in tree.items():
-    path = f"{prefix}{k}"
-    if isinstance(v, dict):
-      out.update(flatten(v, path + "/"))
-    else:
-      out[path] = v
-  return out
-
-
 class Assembler:
-  """Builds the params tree from a stream of HF-named tensors, checking everything.
+  """Collects the model's tensors from a stream of HF-named ones, checking everything.
 
-  Usage: `add` every tensor of the checkpoint, then `finish` for the params.
+  Usage: `add` every tensor of the checkpoint, then `finish` for the tensors
+  by jspec path.
   """
 
   def __init__(self, cfg: config_lib.Qwen2Config, dtype: Any = "float32",
@@ -303,11 +274,11 @@ class Assembler:
     self.put = put or (lambda x: x)
     self.source = source
     self._seen: dict[str, str] = {}  # jspec path -> HF name it came from
-    self._params: dict = {}
+    self._tensors: dict[str, Any] = {}  # jspec path -> converted tensor
     self._tied_head: Optional[np.ndarray] = None
 
   def _check_tied_head(self) -> None:
-    embed = np.asarray(self._params.get("embed_tokens", {}).get("embedding"))
+    embed = np.asarray(self._tensors.get("embed/table"))
     head = self._tied_head.astype(self.dtype)
     if embed.shape != head.shape or not np.array_equal(embed, head):
       raise ConvertError(f"{self.source}: the config ties the output head to the embeddings "
@@ -339,13 +310,13 @@ class Assembler:
       raise ConvertError(f"{self.source}: tensor {hf_name!r} appears twice "
                          f"(as {self._seen[path]!r} before)")
     self._seen[path] = hf_name
-    set_path(self._params, path, self.put(converted))
+    self._tensors[path] = self.put(converted)
 
-  def finish(self) -> dict:
-    """Returns the params once every tensor the model needs has been added.
+  def finish(self) -> dict[str, Any]:
+    """Returns the tensors once every one the model needs has been added.
 
     Returns:
-      The params pytree (the layout `jspec.model.init_params` makes).
+      jspec path -> tensor, in `expected_shapes` order.
 
     Raises:
       ConvertError: some tensors never came.
@@ -356,4 +327,4 @@ class Assembler:
       raise ConvertError(f"{self.source}: missing {len(missing)} tensor(s) the model needs: {shown}")
     if self._tied_head is not None:
       self._check_tied_head()
-    return self._params
+    return {path: self._tensors[path] for path in expected_shapes(self.cfg)}

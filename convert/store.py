@@ -1,6 +1,6 @@
 """jspec's own checkpoint file: params and config in one safetensors file.
 
-Tensors are named by their params path (`layers_0/self_attn/q_proj/kernel`) and
+Tensors are named by their params path (`layers/0/attn/q/w`) and
 already in jspec orientation and dtype; the config is JSON in the file's
 metadata. Loading one therefore only maps the file and copies tensors out,
 with no dequantizing, transposing or key mapping, and runs no code from it.
@@ -26,10 +26,10 @@ import safetensors
 import safetensors.numpy
 
 from convert import keys
-from jspec import config as config_lib
+from convert import config as config_lib
 
 FORMAT = "jspec"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: jspec.model's NNX param paths
 # The file name used when the destination given is a directory.
 DEFAULT_NAME = "jspec.safetensors"
 
@@ -92,13 +92,14 @@ def _check(cfg: config_lib.Qwen2Config, shapes: dict[str, tuple], dtypes: dict[s
     raise keys.ConvertError(f"{source}: tensors have mixed dtypes {kinds}; expected one")
 
 
-def save(path, cfg: config_lib.Qwen2Config, params: dict) -> pathlib.Path:
-  """Writes params and config to one safetensors file, atomically.
+def save(path, cfg: config_lib.Qwen2Config, tensors: dict[str, Any]) -> pathlib.Path:
+  """Writes tensors and config to one safetensors file, atomically.
 
   Args:
     path: destination file (or an existing directory: `path/jspec.safetensors`).
     cfg: the model config.
-    params: the params pytree (numpy or jax arrays; one dtype).
+    tensors: jspec path -> tensor (numpy or jax arrays; one dtype), as
+      `convert.assemble` returns them.
 
   Returns:
     The path written.
@@ -108,7 +109,7 @@ def save(path, cfg: config_lib.Qwen2Config, params: dict) -> pathlib.Path:
   """
   path = resolve_path(path)
   # np.asarray of a jax array on CPU is a view of its buffer, not a copy.
-  tensors = {p: np.asarray(x) for p, x in keys.flatten(params).items()}
+  tensors = {p: np.asarray(x) for p, x in tensors.items()}
   _check(cfg, {p: x.shape for p, x in tensors.items()},
          {p: x.dtype for p, x in tensors.items()}, str(path))
   meta = {"format": FORMAT, "format_version": FORMAT_VERSION,
@@ -139,7 +140,7 @@ def load(path, dtype: Any = None,
     put: applied to each tensor as it is read (e.g. `jax.device_put`).
 
   Returns:
-    (config, params pytree).
+    (config, {jspec path: tensor}).
 
   Raises:
     ConvertError: not a jspec file, truncated, corrupted, or tensors that do
@@ -170,7 +171,7 @@ def load(path, dtype: Any = None,
   cast = keys.resolve_dtype(dtype) if dtype is not None else None
   del handle
   params: dict = {}
-  for name in names:
+  for name in keys.expected_shapes(cfg):
     try:
       # A handle per tensor: its memory map (and the file pages it made
       # resident) goes away with it, so peak RSS stays near the params'
@@ -182,5 +183,5 @@ def load(path, dtype: Any = None,
                               f"corrupted ({type(e).__name__}: {e})") from None
     if cast is not None and array.dtype != cast:
       array = array.astype(cast)
-    keys.set_path(params, name, put(array))
+    params[name] = put(array)
   return cfg, params

@@ -4,10 +4,10 @@
     result = jspec.generate(bundle, "def quicksort(arr):")
 """
 
-from jspec.api import Bundle, Model, Result, check_pair, generate, stream
+from jspec.api import Result, generate, stream
+from jspec.bundle import Bundle, Model, Settings, check_pair
+from jspec.options import Options
+from jspec.loading import load
 
-__all__ = ["Bundle", "Model", "Result", "check_pair", "generate", "stream"]
-
-from jspec.loading import load  # noqa: E402  (api must be importable first)
-
-__all__ += ["load"]
+__all__ = ["Bundle", "Model", "Options", "Result", "Settings", "check_pair", "generate",
+           "load", "stream"]

@@ -14,7 +14,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jspec import config as config_lib
+from convert import config as config_lib
 
 
 @flax.struct.dataclass

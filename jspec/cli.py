@@ -15,6 +15,7 @@ errors too).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import math
@@ -26,21 +27,17 @@ from typing import Any, Optional, Sequence
 import jax
 
 from jspec import api
+from jspec import bundle as bundle_lib
 from jspec import cpu_kernels
-from jspec import decode
 from jspec import fetch
-from jspec import greedy_head
 from jspec import loading
-from jspec import model
+from jspec import options as options_lib
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a closed pipe
 
-METHODS = {"model": "model", "prompt_lookup": "prompt_lookup", "lookup_model": "lookup_model",
-           "none": "target"}
 DTYPES = ("float32", "bfloat16", "float16")
-POLICIES = ("fixed", "heuristic", "confidence", "cumulative")
 
 
 class UsageError(Exception):
@@ -54,8 +51,8 @@ class _Parser(argparse.ArgumentParser):
     raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
-def _number(kind, low, high=None, low_open=False):
-  """An argparse type: a finite `kind` in [low, high], or (low, high] when low_open."""
+def _number(kind):
+  """An argparse type: a finite `kind`; ranges are checked by `jspec.Options`, as for the API."""
 
   def parse(text):
     try:
@@ -63,10 +60,8 @@ def _number(kind, low, high=None, low_open=False):
     except ValueError:
       raise argparse.ArgumentTypeError(
           f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-    too_low = value <= low if low_open else value < low
-    if not math.isfinite(value) or too_low or (high is not None and value > high):
-      bounds = f"{'(' if low_open else '['}{low}, " + (f"{high}]" if high is not None else "inf)")
-      raise argparse.ArgumentTypeError(f"{text} is outside {bounds}")
+    if not math.isfinite(value):
+      raise argparse.ArgumentTypeError(f"{text} is not a finite number")
     return value
 
   return parse
@@ -88,42 +83,44 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the prompt; read from stdin when omitted or '-'")
   gen.add_argument("--chat", action="store_true",
                    help="wrap the prompt as one user message in the model's chat template")
-  gen.add_argument("--max-new-tokens", type=_number(int, 1), default=128, metavar="N",
-                   help="tokens to generate at most (default: 128)")
-  gen.add_argument("--temperature", type=_number(float, 0.0), default=0.0, metavar="T",
-                   help="sampling temperature; 0 is greedy (default: 0)")
-  gen.add_argument("--top-p", type=_number(float, 0.0, 1.0, low_open=True), default=1.0,
+  default = options_lib.Options()
+  gen.add_argument("--max-new-tokens", type=_number(int), default=default.max_new_tokens,
+                   metavar="N", help=f"tokens to generate at most (default: {default.max_new_tokens})")
+  gen.add_argument("--temperature", type=_number(float), default=default.temperature,
+                   metavar="T", help="sampling temperature; 0 is greedy, else in "
+                   f"[{options_lib.MIN_TEMPERATURE}, {options_lib.MAX_TEMPERATURE:g}] (default: 0)")
+  gen.add_argument("--top-p", type=_number(float), default=default.top_p,
                    metavar="P", help="nucleus mass in (0, 1]; 1 is off (default: 1)")
-  gen.add_argument("--top-k", type=_number(int, 0), default=0, metavar="K",
+  gen.add_argument("--top-k", type=_number(int), default=default.top_k, metavar="K",
                    help="keep the K most likely tokens; 0 is off (default: 0)")
-  gen.add_argument("--gamma", type=_number(int, 1), default=None, metavar="G",
-                   help="draft tokens per round: fixed value, heuristic start, confidence or "
-                        "cumulative cap (default: 4, 4, 8, 16 by policy; at least 16 with "
-                        "--draft lookup_model and a confidence or cumulative policy)")
-  gen.add_argument("--gamma-max", type=_number(int, 1), default=None, metavar="G",
-                   help="upper bound on gamma (default: gamma, or 8 for the heuristic)")
-  gen.add_argument("--policy", choices=POLICIES, default=api.DEFAULT_POLICY,
+  gen.add_argument("--method", choices=options_lib.METHODS, default=default.method,
+                   help="where drafts come from: model (a draft model), prompt_lookup (n-grams "
+                   "of the context), lookup_model (n-grams where they match, else the draft "
+                   "model), or target (the target alone) (default: model)")
+  gen.add_argument("--gamma", type=_number(int), default=None, metavar="G",
+                   help="draft tokens per round: fixed value, heuristic start, or confidence "
+                   f"cap, at most {options_lib.MAX_GAMMA} (default: "
+                   + ", ".join(f"{v} {k}" for k, v in options_lib.DEFAULT_GAMMA.items())
+                   + f"; {options_lib.DEFAULT_LOOKUP_MODEL_GAMMA} for lookup_model)")
+  gen.add_argument("--gamma-max", type=_number(int), default=None, metavar="G",
+                   help=f"upper bound on gamma (default: gamma, or "
+                   f"{options_lib.HEURISTIC_GAMMA_MAX} for the heuristic)")
+  gen.add_argument("--policy", choices=options_lib.POLICIES, default=default.policy,
                    help="how gamma changes: fixed, heuristic (+2/-1), confidence (stop at an "
-                        "unsure draft), cumulative (stop when the product of the round's "
-                        "top probabilities is low) "
-                        f"(default: {api.DEFAULT_POLICY})")
-  gen.add_argument("--min-confidence", type=_number(float, 0.0, 1.0), default=0.5, metavar="C",
-                   help="the confidence and cumulative policies' threshold (default: 0.5)")
-  gen.add_argument("--seed", type=_number(int, 0, 2**32 - 1), default=0,
-                   help="random seed; one seed reproduces one generation (default: 0)")
-  gen.add_argument("--draft", choices=tuple(METHODS), default="model",
-                   help="where drafts come from: a draft model, prompt_lookup (n-grams of the "
-                   "prompt), lookup_model (n-grams where they match, else the draft model), "
-                   "or none (the target alone) (default: model)")
-  gen.add_argument("--ngram", type=_number(int, 1), default=3, metavar="N",
+                   f"unsure draft) (default: {default.policy})")
+  gen.add_argument("--min-confidence", type=_number(float), default=default.min_confidence,
+                   metavar="C", help="the confidence policy's threshold in [0, 1] "
+                   f"(default: {default.min_confidence})")
+  gen.add_argument("--seed", type=_number(int), default=default.seed,
+                   help=f"random seed in [0, {options_lib.MAX_SEED}]; one seed reproduces one "
+                   "generation (default: 0)")
+  gen.add_argument("--ngram", type=_number(int), default=default.ngram, metavar="N",
                    help="longest suffix prompt_lookup matches (shorter ones draft less) and the "
-                   "n-gram lookup_model copies after (default: 3)")
-  gen.add_argument("--draft-vocab", type=_number(int, 1), default=None, metavar="V",
-                   help="the draft proposes only token ids below V (a cheaper draft head; "
-                   "the output stays the target's) (default: the full vocabulary)")
+                   f"n-gram lookup_model copies after, at most {options_lib.MAX_NGRAM} "
+                   f"(default: {default.ngram})")
   gen.add_argument("--float-draft", action="store_true",
-                   help="draft with the draft's float weights (default on CPU: an int8 copy, "
-                   "about half the cost per draft step; the output is the target's either way)")
+                   help="draft with the draft's float weights (default on CPU: int8, about half "
+                   "the cost per draft step; the output is the target's either way)")
   which = gen.add_mutually_exclusive_group()
   which.add_argument("--model", metavar="NAME",
                      help=f"a known model or pair (default: {loading.DEFAULT_PAIR}; see "
@@ -149,47 +146,77 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_prompt(prompt: Optional[str]) -> str:
+  """The prompt from argv or stdin, which must be UTF-8 text."""
   if prompt is not None and prompt != "-":
     text = prompt
+    where = "the PROMPT argument"
   elif sys.stdin is None or sys.stdin.isatty():
     raise UsageError("no prompt: give PROMPT as an argument or pipe it on stdin")
   else:
-    text = sys.stdin.read()
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    if isinstance(data, bytes):
+      try:
+        data = data.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise UsageError(f"stdin is not UTF-8 text: byte {data[e.start]:#04x} at offset "
+                         f"{e.start} ({e.reason}); expected a UTF-8 prompt") from None
+    text, where = data, "stdin"
+  try:
+    text.encode("utf-8")  # argv arrives with undecodable bytes as lone surrogates
+  except UnicodeEncodeError as e:
+    raise UsageError(f"{where} is not UTF-8 text: undecodable byte at offset {e.start}; "
+                     "expected a UTF-8 prompt") from None
   if not text:
     raise UsageError("empty prompt: expected at least one character")
   return text
 
 
-def _load(args) -> tuple[Any, str, Optional[str]]:
+def _options(args) -> options_lib.Options:
+  """The generate options, checked by `jspec.Options` as the API checks them."""
+  try:
+    return options_lib.Options(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, method=args.method, gamma=args.gamma, gamma_max=args.gamma_max,
+        policy=args.policy, min_confidence=args.min_confidence, ngram=args.ngram,
+        seed=args.seed)
+  except ValueError as e:
+    flag = str(e).split("=", 1)[0].replace("_", "-")
+    raise UsageError(f"--{flag}: {e}") from None
+
+
+def _load(args, opts: options_lib.Options) -> tuple[Any, str, Optional[str]]:
   """Loads what the generate options ask for: a draft only when it will be used.
 
   Returns:
     (bundle, target, draft): the target and draft as names or paths (draft
     None when none is loaded).
   """
-  method = METHODS[args.draft]
   target = args.target or args.model or loading.DEFAULT_PAIR
-  uses_draft = method in decode.DRAFT_METHODS
-  draft = args.draft_model if uses_draft else None
+  draft = args.draft_model if opts.uses_draft else None
+  if args.draft_model is not None and not opts.uses_draft:
+    raise UsageError(f"--draft-model is not used by --method {opts.method} (it runs no draft "
+                     "model): drop it, or use --method model or lookup_model")
+  if args.float_draft and not opts.uses_draft:
+    raise UsageError(f"--float-draft is not used by --method {opts.method} (it runs no draft "
+                     "model): drop it, or use --method model or lookup_model")
   if args.model is not None and args.model not in loading.known_names():
     raise UsageError(f"unknown model {args.model!r}; known models: "
                      f"{', '.join(loading.known_names())} (use --target for a checkpoint path)")
   if args.target is not None and not pathlib.Path(args.target).expanduser().exists():
     raise UsageError(f"--target {args.target}: no such file or directory")
-  if args.target is None and target in fetch.PAIRS and not uses_draft:
+  if args.target is None and target in fetch.PAIRS and not opts.uses_draft:
     target = fetch.PAIRS[target][0]  # the pair's target alone; its draft would sit unused
-  if uses_draft and draft is None and target in fetch.PAIRS:
+  if opts.uses_draft and draft is None and target in fetch.PAIRS:
     draft = fetch.PAIRS[target][1]
     target = fetch.PAIRS[target][0]
-  if uses_draft and draft is None:
-    raise UsageError(f"--draft {args.draft} needs a draft model: pass --draft-model PATH with "
+  if opts.uses_draft and draft is None:
+    raise UsageError(f"--method {opts.method} needs a draft model: pass --draft-model PATH with "
                      f"{'--target' if args.target else '--model'} {target}, or use "
-                     "--draft prompt_lookup or --draft none")
-  if args.gamma_max is not None and args.gamma is not None and args.gamma > args.gamma_max:
-    raise UsageError(f"--gamma {args.gamma} exceeds --gamma-max {args.gamma_max}")
+                     "--method prompt_lookup or --method target")
+  settings = bundle_lib.Settings(draft_int8=False if args.float_draft else None)
   # Progress bars only on a terminal: in a log they are noise around the one-line errors.
   bundle = loading.load(target, draft, dtype=args.dtype, progress=sys.stderr.isatty(),
-                        tokenizer=args.tokenizer)
+                        tokenizer=args.tokenizer, settings=settings)
   if bundle.tokenizer is None:
     raise UsageError(f"{target} carries no tokenizer (a converted jspec file); pass "
                      "--tokenizer with the HF directory or GGUF file it was converted from")
@@ -220,26 +247,22 @@ def _stats_line(stats: dict[str, Any], method: str) -> str:
 
 def _generate(args) -> int:
   text = _read_prompt(args.prompt)
-  method = METHODS[args.draft]
-  bundle, target, draft = _load(args)
+  opts = _options(args)
+  bundle, target, draft = _load(args, opts)
   if args.chat:
     text = bundle.tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                 add_generation_prompt=True)
-  options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                 top_k=args.top_k, top_p=args.top_p, method=method, gamma=args.gamma,
-                 gamma_max=args.gamma_max, policy=args.policy,
-                 min_confidence=args.min_confidence, ngram=args.ngram, seed=args.seed,
-                 draft_vocab=args.draft_vocab, draft_int8=False if args.float_draft else None)
   if args.json:
-    result = api.generate(bundle, text, **options)
-    settings = {**options, "target": target, "draft_model": draft, "dtype": args.dtype,
-                "chat": args.chat}
+    result = api.generate(bundle, text, opts)
+    settings = {**dataclasses.asdict(opts), "target": target, "draft_model": draft,
+                "dtype": args.dtype, "chat": args.chat, "float_draft": args.float_draft}
     print(json.dumps(_finite({"text": result.text, "token_ids": result.token_ids,
                               "stats": result.stats, "settings": settings}),
                      ensure_ascii=False, allow_nan=False))
     stats = result.stats
+    ends_in_newline = True
   else:
-    pieces = api.stream(bundle, text, **options)
+    pieces = api.stream(bundle, text, opts)
     ends_in_newline = True
     while True:
       try:
@@ -254,22 +277,19 @@ def _generate(args) -> int:
     if not ends_in_newline and sys.stdout.isatty():
       # Keeps the shell prompt off the last line; a pipe gets the exact text.
       sys.stdout.write("\n")
+      ends_in_newline = True
     sys.stdout.flush()
   if args.stats:
-    print(_stats_line(stats, method), file=sys.stderr)
+    # On a line of its own even where stdout and stderr are one stream (2>&1).
+    print(("" if ends_in_newline else "\n") + _stats_line(stats, opts.method), file=sys.stderr)
   return 0
 
 
 def _cpu_kernels() -> dict[str, Any]:
-  """Which of jspec's CPU kernels this host runs (on a CPU backend), and the switches.
-
-  The attention kernel runs only inside the layer loop (`model._scan_layers`).
-  """
+  """Which of jspec's CPU kernels this host runs (on a CPU backend), and why not if not."""
   built = cpu_kernels.available()
   return {"built": built, "reason": cpu_kernels.unavailable_reason(),
-          "int8": cpu_kernels.int8_kind(), "layer_loop": built and model.SCAN_LAYERS,
-          "attention": built and model.SCAN_LAYERS and model.FUSED_ATTENTION,
-          "greedy_head": built and greedy_head.ENABLED}
+          "int8": cpu_kernels.int8_kind()}
 
 
 def _info(args) -> int:
@@ -288,10 +308,8 @@ def _info(args) -> int:
     return 0
   print(f"jax {jax.__version__}, backend {jax.default_backend()}: {', '.join(devices)}")
   if kernels and kernels["built"]:
-    print(f"cpu kernels: built (int8: {kernels['int8'] or 'XLA'}); layer loop "
-          f"{'on' if kernels['layer_loop'] else 'off (JSPEC_SCAN_LAYERS=0)'}, attention kernel "
-          f"{'on' if kernels['attention'] else 'off (JSPEC_FUSED_ATTENTION=0 or the loop off)'}, "
-          f"greedy head {'on' if kernels['greedy_head'] else 'off (JSPEC_GREEDY_HEAD=0)'}")
+    print(f"cpu kernels: built (int8: {kernels['int8'] or 'XLA'}): matrix products, the layer "
+          "loop, decode attention and the greedy head run on them")
   elif kernels:
     print(f"cpu kernels: not built ({kernels['reason']}); XLA's dot and attention instead")
   moved = os.environ.get("JSPEC_CACHE")

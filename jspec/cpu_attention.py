@@ -5,10 +5,9 @@
 
 What `jspec.model.Attention` computes once the chunk is written into the
 cache, with the cache only read: inside the loop over layers
-(`model._scan_layers`) XLA copied and transposed each layer's keys and
-values out of the stacked cache for its dots, about 0.9 us per slot and
-layer, where this kernel reads each row where it lies (README "Design
-measurements"). It is built into the library of `jspec.cpu_kernels`.
+(`model.Qwen2._scan_layers`) XLA copied and transposed each layer's keys and
+values out of the stacked cache for its dots, where this kernel reads each
+row where it lies (docs/decisions.md, "Attention kernel"). It is built into the library of `jspec.cpu_kernels`.
 """
 
 from __future__ import annotations
@@ -19,17 +18,18 @@ import jax.numpy as jnp
 from jspec import cpu_kernels
 
 
-def usable(q: jax.Array, k_buf: jax.Array) -> bool:
+def usable(q: jax.Array, k_buf: jax.Array, kernels: bool = True) -> bool:
   """Whether `attend` can run here for these operands.
 
   Args:
     q: [B, T, N, H] queries.
     k_buf: [L, B, S, K, H] key cache.
+    kernels: the model's backend runs jspec's CPU kernels (`model.Backend`).
 
   Returns:
-    True on CPU with the kernels built and float32 queries and cache.
+    True on CPU with the kernels on and built and float32 queries and cache.
   """
-  return (q.dtype == jnp.float32 and k_buf.dtype == jnp.float32
+  return (kernels and q.dtype == jnp.float32 and k_buf.dtype == jnp.float32
           and jax.default_backend() == "cpu" and cpu_kernels.available())
 
 

@@ -7,8 +7,8 @@
 XLA CPU's own dot re-packs its weight operand on every call and does not
 overlap those memory reads with the arithmetic, so a decode step, which
 multiplies a few rows by every weight once, runs well below the memory
-roof (README "Design measurements"). The kernel reads weights stored
-already packed in panels (`jspec.layout` "packed") once, at nearly the
+roof (docs/decisions.md, "Kernels"). The kernel reads weights stored
+already packed in panels (`jspec.weights.Panels`) once, at nearly the
 memory bandwidth, and is registered as an XLA FFI custom call so the
 whole generation stays one compiled program.
 
@@ -17,9 +17,9 @@ It is compiled from source with the host's C++ compiler (`$CXX`, else
 for it, into `<jspec cache>/kernels/<digest>/`, written to a temporary
 file and renamed, so a half-written library is never loaded. Where that
 cannot be done (no compiler, JSPEC_CPU_KERNELS=0) `available()` says no,
-with the reason in `unavailable_reason()`, and jspec lays the target out
-for XLA's own dot instead; a packed model still runs everywhere, through
-an einsum. The int8 kernel needs AVX-512 VNNI or, a slower variant, AVX2
+with the reason in `unavailable_reason()`, and models are prepared for
+XLA's own dot instead (`jspec.bundle.prepare`); kernel panels still run
+everywhere, through an einsum. The int8 kernel needs AVX-512 VNNI or, a slower variant, AVX2
 (`int8_kind()`); without either the draft keeps XLA's int8 dot.
 """
 
@@ -151,7 +151,7 @@ class LayerPick:
   A `lax.scan` over layers (`jspec.model`) hands this to the kernels in
   place of a weight: they take every layer's buffer and the index, and
   read the chosen one where it lies. Slicing a stacked [L, ...] weight in
-  the loop would copy it first, which cost 2.7x in decode.
+  the loop would copy it first (docs/decisions.md, "Layer loop").
 
   Attributes:
     weights: one array per layer, all of one shape and dtype.
@@ -388,7 +388,7 @@ def build(source: pathlib.Path = SOURCE) -> pathlib.Path:
   find `HEADERS` in this directory.
 
   Args:
-    source: the matmul kernels' C++ file (another revision of it: `bench.kernel_ab`).
+    source: the matmul kernels' C++ file (another revision of it: `bench.tools.kernel_ab`).
 
   Returns:
     Path of the shared library.

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Optional
 
+import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 from jspec import cache as cache_lib
-from jspec import config as config_lib
 from jspec import drafters
 from jspec import model
 from jspec import sampling
@@ -41,8 +41,8 @@ from jspec import speculative
 METHODS = ("target", "model", "prompt_lookup", "lookup_model")
 DRAFT_METHODS = ("model", "lookup_model")  # the methods that run a draft model
 LOOKUP_METHODS = ("prompt_lookup", "lookup_model")
-POLICIES = ("fixed", "heuristic", "confidence", "cumulative")
-STOPPING_POLICIES = ("confidence", "cumulative")  # stop drafting on the draft's own probabilities
+POLICIES = ("fixed", "heuristic", "confidence")
+STOPPING_POLICIES = ("confidence",)  # stop drafting on the draft's own probabilities
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,19 +50,16 @@ class Spec:
   """Everything static about a generation (hashable: it keys the compile cache).
 
   Attributes:
-    target: target config.
-    draft: draft config (methods in DRAFT_METHODS only).
+    target: the target's arch (config and backend).
+    draft: the draft's arch (methods in DRAFT_METHODS only).
     method: one of METHODS.
     sampling: sampling settings shared by target and draft.
     gamma_max: G, draft slots per round (shapes); 0 for method "target".
     gamma: starting speculation length (1..G).
     policy: "fixed" keeps gamma; "heuristic" does +2 after a fully accepted
       round and -1 otherwise (HF); "confidence" drafts up to G but stops a row
-      once the draft's top probability is below `min_confidence`;
-      "cumulative" stops it once the product of the draft's top
-      probabilities over the round's drafts is below `min_confidence` (the
-      draft's own estimate that every draft so far is accepted).
-    min_confidence: threshold of the "confidence" and "cumulative" policies.
+      once the draft's top probability is below `min_confidence`.
+    min_confidence: threshold of the "confidence" policy.
     ngram: longest suffix prompt lookup matches (`drafters.prompt_lookup`).
     dynamic_verify: verify only as many positions as the round's longest
       counted draft needs (rounded up to a width in `verify_widths`) rather
@@ -76,8 +73,8 @@ class Spec:
   and min_confidence (`Knobs`), and programs are compiled for `program()`.
   """
 
-  target: config_lib.Qwen2Config
-  draft: Optional[config_lib.Qwen2Config] = None
+  target: model.Arch
+  draft: Optional[model.Arch] = None
   method: str = "model"
   sampling: sampling.Sampling = sampling.Sampling()
   gamma_max: int = 4
@@ -142,20 +139,6 @@ class Knobs:
   temperature: jax.Array
   top_p: jax.Array
   min_confidence: jax.Array
-
-
-@flax.struct.dataclass
-class DraftWeights:
-  """The draft model's params and, optionally, a truncated output head.
-
-  Attributes:
-    params: draft params pytree.
-    head: None, or [V', D] the first V' rows of the draft's output table,
-      sliced once outside the program (see `drafters.draft_model`).
-  """
-
-  params: Any
-  head: Optional[jax.Array] = None
 
 
 @flax.struct.dataclass
@@ -224,11 +207,10 @@ def buffer_width(prompt_width: int, max_new: int, gamma_max: int) -> int:
 def verify_widths(spec: Spec) -> tuple[int, ...]:
   """The static verify widths a round can pick from (ascending; the last is G + 1).
 
-  XLA CPU's matmul costs about 1 : 1.2 : 1.2 : 1.3 : 1.4 : 1.5 target steps at
-  widths 1 : 2 : 3 : 4 : 5 : 9 (README, `python -m bench.forward_cost`), so
-  3 and 2^k + 1 cover the range with a few compiled branches. There is no
-  width 2: it costs what width 3 does, and a round that counted one draft
-  gets a second one free in width 3 (`_fill_verify`). Width 1 (nothing
+  A verify's cost grows slowly with its width (docs/decisions.md, "Verify
+  width"), so 3 and 2^k + 1 cover the range with a few compiled branches.
+  There is no width 2: it costs what width 3 does, and a round that counted
+  one draft gets a second one free in width 3 (`fill_verify`). Width 1 (nothing
   drafted) only happens with prompt lookup: a draft model always counts its
   first draft.
 
@@ -247,16 +229,14 @@ def verify_widths(spec: Spec) -> tuple[int, ...]:
   return tuple(sorted(w for w in widths if w <= full))
 
 
-def _verify(params, spec: Spec, chunk: jax.Array, tcache: cache_lib.KVCache,
+def verify(params, spec: Spec, chunk: jax.Array, tcache: cache_lib.KVCache,
             counted: jax.Array):
   """The target's verdict at every verify position, from the narrowest forward that covers them.
 
   Greedy, the verdict is each position's argmax token (`sampling.argmax`),
   taken inside the chosen width's branch: all the round needs
   (`speculative.accept_greedy`), and [B, G+1] tokens instead of G+1 rows of
-  V logits to pad, mask and reduce (in a one-token round of prompt lookup
-  at G = 16, the argmax over the padded [B, 17, V] logits took 6 ms of a
-  128 ms round on the real pair, 0.9 ms after; by hand, jax.profiler).
+  V logits to pad, mask and reduce.
 
   Args:
     params: target params.
@@ -298,7 +278,7 @@ def _verify(params, spec: Spec, chunk: jax.Array, tcache: cache_lib.KVCache,
 def _target_forward(params, spec: Spec, tokens: jax.Array, tcache: cache_lib.KVCache,
                     **kwargs):
   """`model.forward` of the target, told when only the argmax of its logits is used (greedy)."""
-  return model.forward(params, spec.target, tokens, tcache, greedy=spec.sampling.greedy,
+  return model.forward(spec.target, params, tokens, tcache, greedy=spec.sampling.greedy,
                        vocab_limit=spec.sampling.vocab_limit, **kwargs)
 
 
@@ -308,11 +288,11 @@ def _width_index(widths: tuple[int, ...], counted: jax.Array) -> jax.Array:
   return jnp.minimum(index, len(widths) - 1)
 
 
-def _fill_verify(spec: Spec, counted: jax.Array, ready: jax.Array, done: jax.Array) -> jax.Array:
+def fill_verify(spec: Spec, counted: jax.Array, ready: jax.Array, done: jax.Array) -> jax.Array:
   """Counts the ready drafts that fit in the verify the round pays for anyway.
 
   The verify runs the narrowest compiled width holding every row's counted
-  drafts plus x_{n-1} (`_verify`), so its last positions may be spare. The
+  drafts plus x_{n-1} (`verify`), so its last positions may be spare. The
   draft model has often computed more drafts than it counted: the one whose
   low confidence stopped the row, or those a row ran while another row kept
   the loop going. Counting them into the spare positions costs no draft
@@ -355,7 +335,7 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
 
   Args:
     target_params: target params.
-    draft_params: `DraftWeights` (method "model"), else None.
+    draft_params: the draft's params (DRAFT_METHODS), else None.
     prompt: [B, P] int32 prompts, right-padded.
     prompt_len: [B] int32 real prompt lengths (1..P).
     max_new: [B] int32 tokens to generate per row (>= 1).
@@ -370,11 +350,11 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
     The loop state after one generated token per row.
   """
   b, p_width = prompt.shape
-  t_cfg = spec.target
+  chex.assert_shape([prompt_len, max_new], (b,))
   if knobs is None:
     knobs = spec.knobs()
   samp = _sampling(spec, knobs)
-  tcache = cache_lib.init(t_cfg, b, width, _dtype(target_params))
+  tcache = cache_lib.init(spec.target.cfg, b, width, spec.target.backend.dtype)
   # fresh: the caches were just made empty, so the prompt attends to itself only.
   logits, tcache = _target_forward(target_params, spec, prompt, tcache,
                                    logits_at=(prompt_len - 1)[:, None], fresh=True)
@@ -387,8 +367,8 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
 
   dcache = None
   if spec.method in DRAFT_METHODS:
-    dcache = cache_lib.init(spec.draft, b, width, _dtype(draft_params.params))
-    _, dcache = model.forward(draft_params.params, spec.draft, prompt, dcache,
+    dcache = cache_lib.init(spec.draft.cfg, b, width, spec.draft.backend.dtype)
+    _, dcache = model.forward(spec.draft, draft_params, prompt, dcache,
                               logits_at=jnp.zeros((b, 1), jnp.int32), fresh=True)
     dcache = cache_lib.with_lengths(dcache, prompt_len)
 
@@ -409,15 +389,11 @@ def _sampling(spec: Spec, knobs: Knobs) -> sampling.Traced:
   return spec.sampling.traced(knobs.temperature, knobs.top_p)
 
 
-def _dtype(params) -> jnp.dtype:
-  return model.compute_dtype(params)
-
-
 def _round(target_params, draft_params, state: State, spec: Spec) -> State:
   """One draft / verify / accept / roll-back round for every row."""
   g = spec.gamma_max
   b = state.tokens.shape[0]
-  vocab = spec.target.vocab_size
+  vocab = spec.target.cfg.vocab_size
   key = jax.random.fold_in(state.key, state.rounds + 1)
   draft_key, accept_key = jax.random.split(key)
   samp = _sampling(spec, state.knobs)
@@ -427,7 +403,7 @@ def _round(target_params, draft_params, state: State, spec: Spec) -> State:
   if spec.method in DRAFT_METHODS:
     drafts, q, gamma_eff, steps, used_model, dcache = _draft_with_model(
         draft_params, state, spec, draft_key, vocab)
-    gamma_eff = _fill_verify(spec, gamma_eff, jnp.where(used_model, steps, gamma_eff), state.done)
+    gamma_eff = fill_verify(spec, gamma_eff, jnp.where(used_model, steps, gamma_eff), state.done)
   elif spec.method == "prompt_lookup":
     drafts, q, gamma_eff = drafters.prompt_lookup(
         state.tokens, state.seq_len, state.gamma, g, spec.ngram, vocab)
@@ -435,11 +411,14 @@ def _round(target_params, draft_params, state: State, spec: Spec) -> State:
     drafts = jnp.zeros((b, 0), jnp.int32)
     q = jnp.zeros((b, 0, vocab), jnp.float32)
     gamma_eff = jnp.zeros((b,), jnp.int32)
+  chex.assert_shape(drafts, (b, g))
+  chex.assert_shape(q, (b, g, vocab))
+  chex.assert_shape(gamma_eff, (b,))
 
   # 2. Verify [x_{n-1}, d_1 .. d_G] in one target forward.
   # The target cache already holds every token but the last (step 5).
   last = jnp.take_along_axis(state.tokens, (state.seq_len - 1)[:, None], axis=1)  # [B, 1]
-  verdict, tcache = _verify(target_params, spec, jnp.concatenate([last, drafts], axis=1),
+  verdict, tcache = verify(target_params, spec, jnp.concatenate([last, drafts], axis=1),
                             state.target_cache, jnp.where(state.done, 0, gamma_eff))
 
   # 3. Accept.
@@ -448,6 +427,7 @@ def _round(target_params, draft_params, state: State, spec: Spec) -> State:
   else:  # verdict: [B, G+1, V] logits
     p = sampling.probs(verdict, samp)
     n, next_token = speculative.accept(accept_key, drafts, q, p, gamma_eff, samp)
+  chex.assert_shape([n, next_token], (b,))
   pos = jnp.arange(g + 1)[None]  # [1, G+1]
   block = jnp.where(pos < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), next_token[:, None])
 
@@ -489,7 +469,7 @@ def _draft_with_model(draft_params, state: State, spec: Spec, key: jax.Array, vo
   """Drafts with the draft model, or (method "lookup_model") only where prompt lookup finds nothing.
 
   Args:
-    draft_params: `DraftWeights`.
+    draft_params: the draft's params.
     state: loop state.
     spec: static settings.
     key: PRNG key for the drafts.
@@ -506,9 +486,8 @@ def _draft_with_model(draft_params, state: State, spec: Spec, key: jax.Array, vo
 
   def run_model(gamma):
     return drafters.draft_model(
-        draft_params.params, spec.draft, state.draft_cache, state.tokens, state.seq_len, gamma,
-        key, _sampling(spec, state.knobs), g, vocab, min_confidence, draft_params.head, state.draft_len, widths,
-        cumulative=spec.policy == "cumulative")
+        spec.draft, draft_params, state.draft_cache, state.tokens, state.seq_len, gamma, key,
+        _sampling(spec, state.knobs), g, vocab, min_confidence, state.draft_len, widths)
 
   if spec.method == "model":
     drafts, q, gamma_eff, steps, dcache = run_model(state.gamma)
@@ -552,7 +531,7 @@ def run(target_params, draft_params, state: State, round_limit: jax.Array, *,
 
   Args:
     target_params: target params.
-    draft_params: `DraftWeights` (method "model"), else None.
+    draft_params: the draft's params (DRAFT_METHODS), else None.
     state: loop state from `prefill` or a previous `run`.
     round_limit: [] int32 stop once state.rounds reaches it (streaming
       dispatches a few rounds at a time; `generate` passes a bound no

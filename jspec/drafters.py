@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+import chex
 import jax
 import jax.numpy as jnp
 
 from jspec import cache as cache_lib
-from jspec import config as config_lib
 from jspec import model
 from jspec import sampling
 
@@ -23,25 +23,16 @@ def _gather_rows(buf: jax.Array, idx: jax.Array) -> jax.Array:
   return jnp.take_along_axis(buf, jnp.clip(idx, 0, buf.shape[1] - 1), axis=1)
 
 
-def _fit_vocab(q: jax.Array, v: int) -> jax.Array:
-  """Pads or cuts q's last axis to the target's vocabulary size v.
-
-  Rows past the shared vocabulary are padding (zero probability under
-  `Sampling.vocab_limit`), so cutting or zero-padding them loses no mass.
-  """
-  if q.shape[-1] > v:
-    return q[..., :v]
-  if q.shape[-1] < v:
-    pad = [(0, 0)] * (q.ndim - 1) + [(0, v - q.shape[-1])]
-    return jnp.pad(q, pad)
-  return q
-
-
 def _draft_probs(logits: jax.Array, s: sampling.Sampling | sampling.Traced, vocab: int) -> jax.Array:
-  """q over the target's vocabulary from draft logits [B, V'] (V' may be a truncated head)."""
-  if logits.shape[-1] < vocab:  # tokens past a truncated head get q = 0
+  """q over the target's vocabulary from draft logits [B, V'].
+
+  The two tables may differ in padding rows past the shared vocabulary
+  (zero probability under `Sampling.vocab_limit`), so q is cut or
+  zero-padded to the target's V without losing mass.
+  """
+  if logits.shape[-1] < vocab:  # ids past the draft's table get q = 0
     logits = jnp.pad(logits, ((0, 0), (0, vocab - logits.shape[-1])), constant_values=-jnp.inf)
-  return _fit_vocab(sampling.probs(logits, s), vocab)
+  return sampling.probs(logits, s)[..., :vocab]
 
 
 def _top_prob(logits: jax.Array, q: jax.Array, s: sampling.Sampling | sampling.Traced) -> jax.Array:
@@ -93,9 +84,8 @@ def catch_up_widths(gamma_max: int, hybrid: bool) -> tuple[int, ...]:
                                       if 2**k + 1 < full}))
 
 
-def _first_step(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
-                tokens: jax.Array, seq_len: jax.Array, draft_len: jax.Array,
-                head: Optional[jax.Array], widths: tuple[int, ...]):
+def catch_up(arch: model.Arch, params, dcache: cache_lib.KVCache, tokens: jax.Array,
+                seq_len: jax.Array, draft_len: jax.Array, widths: tuple[int, ...]):
   """Feeds each row the tokens its draft cache lacks, x_{n-1} last; returns the logits for d_1.
 
   Each pass feeds every row a chunk starting at its own `draft_len`: the
@@ -107,29 +97,29 @@ def _first_step(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
   row.
 
   Args:
+    arch: the draft's arch.
     params: draft params.
-    cfg: draft config.
     dcache: draft KV cache.
     tokens: [B, W] int32 prompt + output so far.
     seq_len: [B] int32 valid tokens per row (>= 2).
     draft_len: [B] int32 leading tokens of each row the draft cache holds
       (< seq_len; rows with draft_len >= seq_len feed nothing useful).
-    head: optional truncated output table (see `draft_model`).
     widths: static chunk widths (`catch_up_widths`).
 
   Returns:
-    (logits [B, V'] for d_1, draft cache holding every token of each row).
+    (logits [B, V'] for d_1 over the draft's table, draft cache holding
+    every token of each row).
   """
   b = tokens.shape[0]
-  v = cfg.vocab_size if head is None else head.shape[0]
+  v = arch.cfg.vocab_size
   table = jnp.asarray(widths, jnp.int32)
 
   def branch(w: int):
     def fn(dcache, start, last):
       chunk = _gather_rows(tokens, start[:, None] + jnp.arange(w)[None])  # [B, w]
       at = jnp.clip(last - start, 0, w - 1)[:, None]  # [B, 1] x_{n-1} if in this chunk
-      logits, dcache = model.forward(params, cfg, chunk, cache_lib.with_lengths(dcache, start),
-                                     logits_at=at, head=head)
+      logits, dcache = model.forward(arch, params, chunk, cache_lib.with_lengths(dcache, start),
+                                     logits_at=at)
       return logits[:, 0], dcache, jnp.minimum(start + w, last + 1)
     return fn
 
@@ -153,23 +143,22 @@ def _first_step(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
   return logits, cache_lib.with_lengths(dcache, seq_len)
 
 
-def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
-                tokens: jax.Array, seq_len: jax.Array, gamma: jax.Array, key: jax.Array,
+def draft_model(arch: model.Arch, params, dcache: cache_lib.KVCache, tokens: jax.Array,
+                seq_len: jax.Array, gamma: jax.Array, key: jax.Array,
                 s: sampling.Sampling | sampling.Traced, gamma_max: int, vocab: int,
-                min_confidence: float | jax.Array = 0.0, head: Optional[jax.Array] = None,
-                draft_len: Optional[jax.Array] = None, widths: tuple[int, ...] = (1, 2),
-                cumulative: bool = False):
+                min_confidence: float | jax.Array = 0.0, draft_len: Optional[jax.Array] = None,
+                widths: tuple[int, ...] = (1, 2)):
   """Drafts up to gamma tokens per row with the draft model, sampling each from q.
 
-  Step 0 brings the draft up to date (`_first_step`) and proposes d_1; step
+  Step 0 brings the draft up to date (`catch_up`) and proposes d_1; step
   i >= 1 feeds d_i and proposes d_{i+1}. The loop runs while any row wants
   more drafts, so after `steps` steps the draft cache holds d_1..d_{steps-1}
   of every row: a row that accepts all `steps` drafts leaves the draft one
   token behind (see `held_after`).
 
   Args:
+    arch: the draft's arch.
     params: draft params.
-    cfg: draft config.
     dcache: draft KV cache.
     tokens: [B, W] int32 prompt + output so far.
     seq_len: [B] int32 valid tokens per row (>= 2).
@@ -181,55 +170,48 @@ def draft_model(params, cfg: config_lib.Qwen2Config, dcache: cache_lib.KVCache,
     min_confidence: stop drafting a row once the draft's most likely token
       has probability below this (a number, or [] float32 data) (`_top_prob`: q's when sampling, the
       draft's softmax when greedy; 0 disables; the first draft always counts).
-    head: optional [V', D] truncated output table (the first V' token ids):
-      the draft's head is over a quarter of its weight reads per step, and
-      a q that is 0 on rare tokens costs only acceptance, never exactness.
     draft_len: [B] int32 leading tokens of each row the draft cache holds
       (None: all but the last two, the most a normal round leaves it lacking).
     widths: static catch-up chunk widths (`catch_up_widths`).
-    cumulative: compare `min_confidence` with the product of the top
-      probabilities of the row's drafts so far (the draft's own estimate
-      that all of them are accepted) rather than with each draft's own.
 
   Returns:
     (drafts [B, G] int32, q [B, G, vocab] float32, gamma_eff [B] int32,
     steps [] int32 draft forwards run, draft cache).
   """
   b = tokens.shape[0]
+  chex.assert_shape([seq_len, gamma], (b,))
   if draft_len is None:
     draft_len = seq_len - 2
-  logits0, dcache = _first_step(params, cfg, dcache, tokens, seq_len, draft_len, head, widths)
+  logits0, dcache = catch_up(arch, params, dcache, tokens, seq_len, draft_len, widths)
   q0 = _draft_probs(logits0, s, vocab)  # [B, V]
   d0 = sampling.sample(jax.random.fold_in(key, 0), q0, s)  # [B]
   drafts = jnp.zeros((b, gamma_max), jnp.int32).at[:, 0].set(d0)
   q = jnp.zeros((b, gamma_max, vocab), jnp.float32).at[:, 0].set(q0)
   # A row keeps drafting while it wants more and stays confident.
   gamma_eff = jnp.ones((b,), jnp.int32)
-  sure = _top_prob(logits0, q0, s)  # [B] the product so far, when cumulative
-  going = (gamma > 1) & (sure >= min_confidence)
+  going = (gamma > 1) & (_top_prob(logits0, q0, s) >= min_confidence)
 
   def cond(carry):
-    i, _, _, _, _, going, _ = carry
+    i, _, _, _, _, going = carry
     return (i < gamma_max) & jnp.any(going)
 
   def body(carry):
-    i, dcache, drafts, q, gamma_eff, going, sure = carry
+    i, dcache, drafts, q, gamma_eff, going = carry
     prev = jax.lax.dynamic_slice_in_dim(drafts, i - 1, 1, axis=1)  # [B, 1] d_i
-    logits, dcache = model.forward(params, cfg, prev, dcache, head=head)
+    logits, dcache = model.forward(arch, params, prev, dcache)
     qi = _draft_probs(logits[:, 0], s, vocab)  # [B, V]
     di = sampling.sample(jax.random.fold_in(key, i), qi, s)
     drafts = jax.lax.dynamic_update_slice_in_dim(drafts, di[:, None], i, axis=1)
     q = jax.lax.dynamic_update_slice_in_dim(q, qi[:, None], i, axis=1)
-    top = _top_prob(logits[:, 0], qi, s)
-    if cumulative:
-      top = top * sure
-    take = going & (top >= min_confidence)
+    take = going & (_top_prob(logits[:, 0], qi, s) >= min_confidence)
     gamma_eff = gamma_eff + take.astype(jnp.int32)
     going = take & (i + 1 < gamma)
-    return i + 1, dcache, drafts, q, gamma_eff, going, jnp.where(take, top, sure)
+    return i + 1, dcache, drafts, q, gamma_eff, going
 
-  steps, dcache, drafts, q, gamma_eff, _, _ = jax.lax.while_loop(
-      cond, body, (jnp.int32(1), dcache, drafts, q, gamma_eff, going, sure))
+  steps, dcache, drafts, q, gamma_eff, _ = jax.lax.while_loop(
+      cond, body, (jnp.int32(1), dcache, drafts, q, gamma_eff, going))
+  chex.assert_shape(drafts, (b, gamma_max))
+  chex.assert_shape(q, (b, gamma_max, vocab))
   return drafts, q, jnp.minimum(gamma_eff, gamma), steps, dcache
 
 
@@ -257,10 +239,8 @@ def prompt_lookup(tokens: jax.Array, seq_len: jax.Array, gamma: jax.Array,
   gamma, each token shorter half as many. Falling back to shorter matches
   finds drafts in more rounds, and a short match predicts less, so it
   drafts less: a wide verify of drafts that are mostly rejected costs more
-  than a step. Replayed on the real target's recorded outputs
-  (`bench.lookup_bound`), at ngram 3 and up to 16 drafts, the bench's edit
-  prompt takes 50 rounds instead of 57 with 3-grams alone, quicksort 95
-  instead of 115.
+  than a step (docs/decisions.md, "Prompt lookup"; replayed by
+  `python -m bench.tools.lookup_bound`).
 
   q is a point mass at each draft, so acceptance happens with probability
   p(d) and the residual is p with d removed: still exactly the target's
@@ -281,6 +261,7 @@ def prompt_lookup(tokens: jax.Array, seq_len: jax.Array, gamma: jax.Array,
     (drafts [B, G] int32, q [B, G, vocab] one-hot, gamma_eff [B] int32).
   """
   b, w = tokens.shape
+  chex.assert_shape([seq_len, gamma], (b,))
   ends = jnp.arange(w)[None]  # [1, W] candidate match ends e: tokens[e] == tokens[n - 1]
   last = seq_len[:, None] - 1  # [B, 1]
   length = jnp.zeros((b, w), jnp.int32)  # [B, W] suffix tokens matched, ending at e
@@ -298,4 +279,5 @@ def prompt_lookup(tokens: jax.Array, seq_len: jax.Array, gamma: jax.Array,
   drafts = _gather_rows(tokens, follow[:, None] + jnp.arange(gamma_max)[None])  # [B, G]
   wanted = jnp.maximum(gamma >> (ngram - best), 1)
   gamma_eff = jnp.where(found, jnp.minimum(wanted, seq_len - follow), 0).astype(jnp.int32)
+  chex.assert_shape(drafts, (b, gamma_max))
   return drafts, jax.nn.one_hot(drafts, vocab, dtype=jnp.float32), gamma_eff

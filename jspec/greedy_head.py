@@ -1,9 +1,9 @@
 """The exact greedy argmax of the output head, from about a quarter of its bytes.
 
 A greedy target step (temperature 0) needs one thing from the output head:
-the argmax of each row's logits. The 1.5B target's head is 151936 x 1536
-float32, 0.93 GB and 15% of the bytes of a one-token step, which reads its
-weights at the memory bandwidth. So the step first multiplies by an int8
+the argmax of each row's logits, and a float32 head is a large share of
+the bytes a one-token step reads (docs/decisions.md, "Greedy head"). So
+the step first multiplies by an int8
 copy of the head (one float32 scale per token; `make`), which reads a
 quarter of the bytes, and bounds how far each estimate can be from the
 float32 logit:
@@ -27,30 +27,24 @@ included (the lowest id wins in both).
 `logits` returns those exact logits at the candidates and -inf elsewhere,
 which `sampling.probs` turns into the same one-hot as the full logits. If
 more than `capacity` tokens are candidates in a call (never on the bench's
-prompts with the real target: at most 16 over 1536 steps, `python -m
-bench.head_candidates`), it computes the full head instead, so the result
-is exact every time. The cost where it helps: the int8 pass reads 0.23 GB, and the
-candidates' rows a few hundred KB.
+prompts with the real target: `python -m bench.tools.head_candidates`), it
+computes the full head instead, so the result is exact every time.
 """
 
 from __future__ import annotations
 
-import os
-
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jspec import cpu_kernels
+from jspec import weights
 
 # Rows (batch x positions) a call may have: the estimate's kernel reads the
 # int8 head once for all of them, but its float conversions grow with the
 # rows, and a verify's many rows are bound by arithmetic, not by reading.
 MAX_ROWS = 4
-PARAM = "greedy_head"  # where a target's params hold `make`'s arrays
-# JSPEC_GREEDY_HEAD=0: targets get no int8 head (`jspec.api.Bundle.lay_out_target`),
-# and greedy steps read the whole float32 head, to compare the two.
-ENABLED = os.environ.get("JSPEC_GREEDY_HEAD", "1") != "0"
 CAPACITY = 64  # candidate tokens per call computed exactly (a static shape)
 _U = 2.0**-24  # unit roundoff of float32
 _CHUNK = 256  # panels converted at a time by `make` (8192 tokens, 100 MB as float64)
@@ -61,17 +55,28 @@ def _gamma(k: int) -> float:
   return k * _U / (1 - k * _U)
 
 
-def make(panels: jax.Array) -> dict[str, jax.Array]:
+@flax.struct.dataclass
+class GreedyHead:
+  """The int8 copy of a float32 head and each token's error bound (`make`).
+
+  Token v's estimate is scale_v * (x . q_v), within ||x|| * bound_v of its
+  float32 logit (bound rounded up to float32).
+  """
+
+  qpanels: jax.Array  # [V/32, D, 32] int8, laid out as the float head's panels
+  scale: jax.Array  # [V] float32
+  bound: jax.Array  # [V] float32
+
+
+def make(panels: jax.Array) -> GreedyHead:
   """The int8 copy of a float32 head and each token's error bound.
 
   Args:
-    panels: [V/32, D, 32] float32 head panels (`jspec.layout` "packed"):
-      token v's row is column v % 32 of panel v // 32.
+    panels: [V/32, D, 32] float32 head panels (`weights.Panels`): token
+      v's row is column v % 32 of panel v // 32.
 
   Returns:
-    {"qpanels": [V/32, D, 32] int8, "scale": [V] float32, "bound": [V]
-    float32}: token v's estimate is scale_v * (x . q_v), within
-    ||x|| * bound_v of its float32 logit (bound rounded up to float32).
+    The `GreedyHead`.
   """
   p, d, width = panels.shape
   gamma = _gamma(d)
@@ -93,22 +98,24 @@ def make(panels: jax.Array) -> dict[str, jax.Array]:
     qpanels[start:start + _CHUNK] = q.astype(np.int8)
     scale[start:start + _CHUNK] = s32
     bound[start:start + _CHUNK] = b32
-  return {"qpanels": jnp.asarray(qpanels), "scale": jnp.asarray(scale.reshape(-1)),
-          "bound": jnp.asarray(bound.reshape(-1))}
+  return GreedyHead(jnp.asarray(qpanels), jnp.asarray(scale.reshape(-1)),
+                    jnp.asarray(bound.reshape(-1)))
 
 
-def table(params: dict) -> jax.Array | None:
-  """A model's float32 head panels (tied or not), or None when its head is not so stored."""
-  panels = params.get("lm_head_panels")
-  if panels is None and "lm_head" not in params:  # tied: the embedding is the head
-    panels = params["embed_tokens"].get("panels")
-  if panels is None or panels.dtype != jnp.float32:
-    return None
-  return panels
+def suits(head: weights.Leaf) -> bool:
+  """Whether a model's head can have a greedy head: float32 kernel panels.
+
+  Args:
+    head: the head's weight leaf (the token table when tied).
+
+  Returns:
+    True for a float32 `weights.Panels` head.
+  """
+  return isinstance(head, weights.Panels) and head.p.dtype == jnp.float32
 
 
-def applies(rows: int, panels: jax.Array) -> bool:
-  """Whether `logits` takes the int8 pass for `rows` rows over these panels.
+def applies(rows: int, head: weights.Leaf, kernels: bool) -> bool:
+  """Whether `logits` takes the int8 pass for `rows` rows over this head.
 
   Only with jspec's float32 kernel on CPU: the candidates' logits equal
   the full head's bit for bit only because the kernel sums each column
@@ -116,16 +123,17 @@ def applies(rows: int, panels: jax.Array) -> bool:
 
   Args:
     rows: batch x positions of the call (static).
-    panels: the float32 head panels.
+    head: the head's weight leaf.
+    kernels: the model's backend runs jspec's CPU kernels.
 
   Returns:
     True when the call should go through `logits`.
   """
-  return (rows <= MAX_ROWS and panels.dtype == jnp.float32 and cpu_kernels.available()
+  return (rows <= MAX_ROWS and kernels and suits(head) and cpu_kernels.available()
           and jax.default_backend() == "cpu")
 
 
-def candidates(x: jax.Array, head: dict[str, jax.Array],
+def candidates(x: jax.Array, head: GreedyHead,
                vocab_limit: int | None = None) -> jax.Array:
   """Which tokens could be each row's argmax, from the int8 pass and the bounds.
 
@@ -139,18 +147,18 @@ def candidates(x: jax.Array, head: dict[str, jax.Array],
     lower bound (among ids below vocab_limit); every token whose float32
     logit equals the row's maximum is among them.
   """
-  v = head["scale"].shape[0]
-  estimate = cpu_kernels.matmul_f32s8(x, head["qpanels"]) * head["scale"]  # [N, V]
+  v = head.scale.shape[0]
+  estimate = cpu_kernels.matmul_f32s8(x, head.qpanels) * head.scale  # [N, V]
   # ||x|| in float32 is within (D + 2) u of the real norm: 1e-3 covers it.
   # The second term keeps the bound through a + e and a - e rounding in float32.
   norm = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True)) * (1 + 1e-3)  # [N, 1]
-  err = norm * head["bound"] * (1 + 2.0**-10) + 2.0**-20 * jnp.abs(estimate)  # [N, V]
+  err = norm * head.bound * (1 + 2.0**-10) + 2.0**-20 * jnp.abs(estimate)  # [N, V]
   valid = jnp.arange(v) < (v if vocab_limit is None else vocab_limit)  # [V]
   best = jnp.max(jnp.where(valid, estimate - err, -jnp.inf), axis=-1, keepdims=True)  # [N, 1]
   return valid & (estimate + err >= best)
 
 
-def logits(x: jax.Array, panels: jax.Array, head: dict[str, jax.Array],
+def logits(x: jax.Array, panels: jax.Array, head: GreedyHead,
            vocab_limit: int | None = None, capacity: int = CAPACITY) -> jax.Array:
   """Logits that give every row the float32 head's argmax: exact where it could be, -inf elsewhere.
 

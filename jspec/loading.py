@@ -16,6 +16,7 @@ draft with a tokenizer of its own must agree with it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -29,13 +30,15 @@ from convert import gguf_file
 from convert import hf
 from convert import keys
 from convert import store
-from jspec import api
+from jspec import bundle as bundle_lib
 from jspec import fetch
+from jspec import model
 from jspec import tokenizer as tokenizer_lib
 
 DEFAULT_PAIR = "qwen2.5-coder"
 
 PathLike = Union[str, os.PathLike]
+_Loaded = tuple  # (config, {jspec path: tensor}) as `convert.load_checkpoint` returns them
 
 
 def known_names() -> list[str]:
@@ -136,11 +139,11 @@ def _convert_cached(gguf_path: pathlib.Path, sha256: str, dtype: str,
   return out
 
 
-def _load_cached(gguf_path: pathlib.Path, sha256: str, dtype: str, progress: bool) -> api.Model:
+def _load_cached(gguf_path: pathlib.Path, sha256: str, dtype: str, progress: bool) -> _Loaded:
   """Loads a verified GGUF through its converted file; an unreadable one is rebuilt once."""
   out = _convert_cached(gguf_path, sha256, dtype, progress)
   try:
-    model = _model(out, dtype)
+    loaded = _model(out, dtype)
   except keys.ConvertError as e:
     message = " ".join(str(e).split())
     print(f"jspec: converted cache {out} is unusable ({message}); rebuilding", file=sys.stderr)
@@ -150,7 +153,7 @@ def _load_cached(gguf_path: pathlib.Path, sha256: str, dtype: str, progress: boo
     return _model(out, dtype)
   if not _stamp_ok(out, sha256, dtype):  # an adopted file: it loaded, so vouch for it
     _write_stamp(out, sha256, dtype)
-  return model
+  return loaded
 
 
 def _tokenizer_cache_path(gguf_path: pathlib.Path) -> pathlib.Path:
@@ -180,9 +183,8 @@ def _read_tokenizer_cache(path: pathlib.Path, sha256: str) -> Optional[tokenizer
 def _cached_tokenizer(gguf_path: pathlib.Path, sha256: str) -> tokenizer_lib.Tokenizer:
   """A verified GGUF's tokenizer, kept as JSON beside it.
 
-  Reading the vocabulary out of GGUF metadata takes about 10 s for Qwen2's
-  151k tokens and merges (gguf-py parses each entry); the tokenizers JSON
-  loads in a fraction of a second. The file records the GGUF's sha256; one
+  Reading the vocabulary out of GGUF metadata is slow (gguf-py parses each
+  of the merges and tokens); the tokenizers JSON loads fast. The file records the GGUF's sha256; one
   that does not match or does not parse is rebuilt.
   """
   path = _tokenizer_cache_path(gguf_path)
@@ -199,9 +201,8 @@ def _cached_tokenizer(gguf_path: pathlib.Path, sha256: str) -> tokenizer_lib.Tok
   return tok
 
 
-def _model(path: PathLike, dtype: str, progress: bool = False) -> api.Model:
-  cfg, params = convert.load_checkpoint(path, dtype=dtype, progress=progress)
-  return api.Model(cfg, params)
+def _model(path: PathLike, dtype: str, progress: bool = False) -> _Loaded:
+  return convert.load_checkpoint(path, dtype=dtype, progress=progress)
 
 
 def _kind(path: pathlib.Path) -> str:
@@ -254,7 +255,7 @@ def check_tokenizers(target: tokenizer_lib.Tokenizer, draft: tokenizer_lib.Token
 
   Ids present in both must spell the same token. One may have extra ids past
   the other's end (a GGUF lists the embedding's padding rows as tokens,
-  tokenizer.json does not); `api.check_pair` decides whether those rows are
+  tokenizer.json does not); `jspec.bundle.check_pair` decides whether those rows are
   usable.
 
   Args:
@@ -279,8 +280,9 @@ def check_tokenizers(target: tokenizer_lib.Tokenizer, draft: tokenizer_lib.Token
 
 def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
          dtype: str = "float32", progress: bool = True,
-         tokenizer: Union[None, PathLike, tokenizer_lib.Tokenizer] = None) -> api.Bundle:
-  """Loads a target (and draft) with the target's tokenizer.
+         tokenizer: Union[None, PathLike, tokenizer_lib.Tokenizer] = None,
+         settings: Optional[bundle_lib.Settings] = None, **setting_kwargs) -> bundle_lib.Bundle:
+  """Loads a target (and draft) with the target's tokenizer, prepared for this device.
 
   Args:
     target: a known pair name (e.g. "qwen2.5-coder": target and draft both
@@ -294,6 +296,10 @@ def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
       directory with tokenizer.json, a GGUF file, or a `Tokenizer`). A
       converted jspec file carries none: without this its bundle takes only
       token-id prompts.
+    settings: how the models are prepared (`jspec.Settings`: CPU kernels,
+      int8 draft, greedy head, ...); None: the device's defaults.
+    **setting_kwargs: fields of `jspec.Settings` (e.g. draft_int8=False),
+      replacing those of `settings`.
 
   Returns:
     The bundle `jspec.generate` takes.
@@ -303,12 +309,13 @@ def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
       missing or corrupt.
     convert.ConvertError: a path that is missing or not a usable Qwen2 checkpoint
       (pickle checkpoints are refused: unpickling runs code).
-    jspec.config.ConfigError: a checkpoint of another architecture or with
+    convert.config.ConfigError: a checkpoint of another architecture or with
       settings jspec does not implement.
     jspec.tokenizer.TokenizerError: an unusable tokenizer.
-    ValueError: target and draft vocabularies differ.
+    ValueError: target and draft vocabularies differ, or bad settings.
   """
   keys.resolve_dtype(dtype)  # fail before any slow step
+  settings = dataclasses.replace(settings or bundle_lib.Settings(), **setting_kwargs)
   if str(target) in fetch.PAIRS:
     if draft is not None:
       raise ValueError(f"{target!r} names a model pair, which brings its own draft; pass a "
@@ -339,18 +346,14 @@ def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
   for source, path in ((t_source, t_path), (d_source, d_path)):
     if source is not None:
       _convert_cached(path, source.sha256, dtype, progress)
-  t_model = (_load_cached(t_path, t_source.sha256, dtype, progress) if t_source
-             else _model(t_path, dtype, progress))
-  d_model, reload_draft = None, None
-  if d_path is not None:
-    if d_source:
-      def reload_draft():
-        return _load_cached(d_path, d_source.sha256, dtype, False).params
-    else:
-      def reload_draft():
-        return _model(d_path, dtype).params
-    d_model = (_load_cached(d_path, d_source.sha256, dtype, progress) if d_source
-               else _model(d_path, dtype, progress))
-  # The bundle may free the float draft once its int8 copy exists and read it
-  # back from the same file if a float draft is asked for later.
-  return api.Bundle(t_model, d_model, tok, reload_draft=reload_draft)
+
+  def prepared(source, path, role):
+    cfg, tensors = (_load_cached(path, source.sha256, dtype, progress) if source
+                    else _model(path, dtype, progress))
+    params = model.params_from_tensors(cfg, tensors)
+    del tensors
+    return bundle_lib.prepare(cfg, params, role, settings, consume=True)
+
+  t_model = prepared(t_source, t_path, "target")
+  d_model = prepared(d_source, d_path, "draft") if d_path is not None else None
+  return bundle_lib.Bundle(t_model, d_model, tok)

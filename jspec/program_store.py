@@ -2,15 +2,12 @@
 
 JAX's persistent compilation cache keeps compiled executables, but a new
 process finds its executable only after tracing and lowering the Python
-program again, to compute the cache key. For the default decode loop of the
-real pair that was 3.9 s of the 12 s a second process spent compiling
-(tracing 3.1 s, lowering 0.8 s, timed by hand; the rest is XLA loading the
-executable). This store keeps each lowered program as a serialized
+program again, to compute the cache key (a large share of a second
+process's start: docs/decisions.md, "Program store"). This store keeps each lowered program as a serialized
 `jax.export.Exported` beside the XLA cache, keyed by everything the program
 is traced from: jspec's source, the JAX/jaxlib/flax versions and the JAX
 settings that change tracing, the backend, the static settings and the
-argument shapes. A process that finds one deserializes it (tens of ms) and
-compiles `Exported.call`, which the XLA cache then answers.
+argument shapes. A process that finds one deserializes it and compiles `Exported.call`, which the XLA cache then answers.
 
 The first process lowers through the same `Exported.call`, so both
 processes compile the same module and the XLA cache key matches.
@@ -34,25 +31,26 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 from jax import export
 
+from convert import config as config_lib
 from jspec import cache as cache_lib
 from jspec import cpu_kernels
 from jspec import decode
-from jspec import model
-from jspec import quant
+from jspec import greedy_head
+from jspec import weights
 
 _SUBDIR = "jspec-programs"  # inside the XLA cache dir (JAX only reads its *-cache files)
 
 
 def _register_pytrees() -> None:
   """Lets `Exported` name jspec's pytree nodes in its calling convention."""
-  for cls in (decode.State, decode.DraftWeights, decode.Knobs, cache_lib.KVCache):
-    # flax struct dataclasses flatten with their static fields as auxdata;
-    # these have none, but keep whatever there is, as JSON.
+  for cls in (decode.State, decode.Knobs, cache_lib.KVCache, greedy_head.GreedyHead,
+              *weights.LEAVES):
+    # flax struct dataclasses flatten with their static fields as auxdata
+    # (plain numbers here), kept as JSON.
     export.register_pytree_node_serialization(
         cls, serialized_name=f"jspec.{cls.__name__}",
         serialize_auxdata=lambda aux: json.dumps(list(aux)).encode(),
         deserialize_auxdata=lambda data: tuple(json.loads(data)))
-  export.register_namedtuple_serialization(quant.Table, serialized_name="jspec.quant.Table")
 
 
 _register_pytrees()
@@ -63,7 +61,7 @@ def caching_on() -> bool:
 
   Returns:
     False only when JSPEC_XLA_CACHE is "0"; both the XLA executable cache
-    (`api.enable_persistent_cache`) and this store follow it.
+    (`programs.enable_persistent_cache`) and this store follow it.
   """
   return os.environ.get("JSPEC_XLA_CACHE", "1") != "0"
 
@@ -71,7 +69,7 @@ def caching_on() -> bool:
 def store_dir() -> Optional[pathlib.Path]:
   """Where programs are kept: `<XLA cache dir>/jspec-programs`, or None when off.
 
-  It follows the XLA cache (`api.enable_persistent_cache`): a stored
+  It follows the XLA cache (`programs.enable_persistent_cache`): a stored
   program saves only tracing, so without the executable cache it is not
   worth writing. JSPEC_XLA_CACHE=0 turns both off.
 
@@ -95,12 +93,15 @@ def source_digest() -> str:
   for name in ("jax", "jaxlib", "flax"):
     h.update(f"{name}={importlib.metadata.version(name)}\n".encode())
   package = pathlib.Path(__file__).resolve().parent
-  for path in sorted([*package.glob("*.py"), *package.glob("*.cc"), *package.glob("*.h")]):
+  config_source = pathlib.Path(config_lib.__file__).resolve()  # the model config is traced too
+  for path in sorted([*package.glob("*.py"), *package.glob("*.cc"), *package.glob("*.h"),
+                      config_source]):
     h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
   return h.hexdigest()
 
 
 # JAX settings that change what tracing produces without changing any argument.
+# (How each model runs is part of the static settings: `decode.Spec`'s archs.)
 _TRACE_CONFIG = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
                  "jax_threefry_partitionable", "jax_numpy_dtype_promotion")
 
@@ -132,8 +133,6 @@ def program_key(name: str, args: Sequence[Any], static: dict) -> str:
     # Which CPU kernels a trace calls depends on the host (a cache directory
     # can move to a machine without AVX-512, whose library lacks VNNI's).
     parts.append(f"cpu_kernels={cpu_kernels.available()},{cpu_kernels.int8_kind()}")
-    parts.append(f"scan_layers={model.SCAN_LAYERS}")  # JSPEC_SCAN_LAYERS
-    parts.append(f"fused_attention={model.FUSED_ATTENTION}")  # JSPEC_FUSED_ATTENTION
   return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:40]
 
 

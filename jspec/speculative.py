@@ -15,6 +15,7 @@ distribution. Greedy decoding is the one-hot limit (see `jspec.sampling`).
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -40,6 +41,9 @@ def accept(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array,
     them: a correction from the residual, or the bonus token when n == gamma).
   """
   b, g, v = q.shape
+  chex.assert_shape(drafts, (b, g))
+  chex.assert_shape(p, (b, g + 1, v))
+  chex.assert_shape(gamma, (b,))
   u_key, r_key = jax.random.split(key)
   u = jax.random.uniform(u_key, (b, g))  # [B, G] in [0, 1)
   p_d = jnp.take_along_axis(p[:, :g], drafts[..., None], axis=-1)[..., 0]  # [B, G]
@@ -80,7 +84,9 @@ def accept_greedy(drafts: jax.Array, target: jax.Array, gamma: jax.Array):
   Returns:
     (n [B] int32 drafts accepted, next_token [B] int32 the target's token after them).
   """
-  g = drafts.shape[1]
+  b, g = drafts.shape
+  chex.assert_shape(target, (b, g + 1))
+  chex.assert_shape(gamma, (b,))
   ok = (drafts == target[:, :g]) & (jnp.arange(g)[None, :] < gamma[:, None])  # [B, G]
   n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)  # [B]
   return n, jnp.take_along_axis(target, n[:, None], axis=1)[:, 0]

@@ -58,15 +58,15 @@ def _byte_alphabet():
 def _release_programs():
   """Frees each test file's compiled programs when the file is done.
 
-  Every compiled program stays in `jspec.api.PROGRAMS` until released, and
+  Every compiled program stays in `jspec.programs.PROGRAMS` until released, and
   a decode program holds its executable's memory. Kept over the whole
   suite, XLA crashed (a segfault, then twice an abort) while writing one
   more program to the persistent cache, in three full runs in a row; with
   programs released per file the suite passes (peak RSS 5.6 GiB).
   """
   yield
-  from jspec import api  # after the cache directory above is set
-  api.release_programs()
+  from jspec import programs  # after the cache directory above is set
+  programs.release()
 
 
 @pytest.fixture(scope="session")

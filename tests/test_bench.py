@@ -24,19 +24,20 @@ from bench import __main__ as bench_main
 from bench import derive
 from bench import engine
 from bench import finalize
-from bench import kernel_ab
 from bench import memory
 from bench import modes as modes_lib
 from bench import prompts as prompts_lib
 from bench import report
 from bench import results
-from bench import roofline
 from bench import shapes
-from jspec import api
+from bench.tools import kernel_ab
+from bench.tools import roofline
+from jspec import bundle as bundle_lib
 from jspec import cache as cache_lib
 from jspec import cpu_kernels
-from jspec import layout
 from jspec import model as jspec_model
+from jspec import programs
+from jspec import weights
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -126,7 +127,7 @@ def test_no_compiled_program_outlives_its_prompt(smoke_run):
   # Kept, every mode's programs of every bucket pile up over a suite run to
   # gigabytes of peak RSS on the real pair (see bench.runner).
   assert smoke_run[0] == 0
-  assert api.PROGRAMS.cache == {}
+  assert programs.PROGRAMS.cache == {}
 
 
 def test_repetitions_alternate_between_modes_after_one_warm_up_each(tmp_path, monkeypatch):
@@ -290,12 +291,15 @@ def test_mode_selection():
   assert names("hf", hf=False) == ["target"]
   with pytest.raises(ValueError, match="unknown modes"):
     names("spec_g9")
-  cuts = modes_lib.all_modes([2], 8, 0.5, 4, 3, head_cuts=[100, 200], float_draft=True)
-  adaptive = {m.name: m.kwargs for m in modes_lib.select(cuts, "adaptive", hf=False)}
-  assert list(adaptive) == ["target", "heuristic", "confidence", "cumulative", "confidence_v100",
-                            "confidence_v200", "confidence_f32"]
-  assert adaptive["confidence_v200"] == {**adaptive["confidence"], "draft_vocab": 200}
-  assert adaptive["confidence_f32"] == {**adaptive["confidence"], "draft_int8": False}
+  f32 = modes_lib.all_modes([2], 8, 0.5, 4, 3, float_draft=True)
+  adaptive = {m.name: m for m in modes_lib.select(f32, "adaptive", hf=False)}
+  assert list(adaptive) == ["target", "heuristic", "confidence", "confidence_f32"]
+  # The same generate arguments, run with a draft loaded with its float weights.
+  assert adaptive["confidence_f32"].kwargs == adaptive["confidence"].kwargs
+  assert adaptive["confidence_f32"].draft_int8 is False
+  assert adaptive["confidence"].draft_int8 is None
+  assert modes_lib.describe(adaptive["confidence_f32"]) == {
+      **modes_lib.describe(adaptive["confidence"]), "draft_int8": False}
 
 
 def test_gate_and_agreement_on_a_hand_made_document():
@@ -439,7 +443,7 @@ def test_kernel_ab_refuses_row_counts_below_one(capsys):
 def test_roofline_times_a_forward_its_products_and_both_matvecs(monkeypatch, capsys):
   # The 1.5B's shapes swapped for a tiny packable target, 1 MiB matvecs:
   # this checks the tool runs and reports what it says; the figures are
-  # the real target's (README "Design measurements").
+  # the real target's (docs/decisions.md, "Kernels").
   if not cpu_kernels.available():
     pytest.skip(f"kernel unavailable: {cpu_kernels.unavailable_reason()}")
   monkeypatch.setattr(shapes, "QWEN25_CODER_1_5B", tiny.PACKABLE_TARGET)
@@ -460,11 +464,12 @@ def test_roofline_compiles_one_forward_with_the_attention_kernel_and_one_without
   if not cpu_kernels.available():
     pytest.skip(f"kernel unavailable: {cpu_kernels.unavailable_reason()}")
   cfg = tiny.PACKABLE_TARGET
-  params = layout.convert(jspec_model.init_params(cfg, jax.random.key(0)), "packed")
+  target = bundle_lib.prepare(cfg, jspec_model.init_params(cfg, jax.random.key(0)), "target",
+                              jspec.Settings(kernels=True))
   cache = cache_lib.init(cfg, 1, 8)
   token = jnp.ones((1, 1), jnp.int32)
   for fused in (True, False):
-    text = roofline._forward(cfg, params, token, cache, fused).as_text()
+    text = roofline._forward(target, token, cache, fused).as_text()
     assert (cpu_kernels.TARGET_ATTEND in text) == fused
 
 
@@ -481,10 +486,18 @@ def test_one_row_greedy_rounds_count_the_int8_heads_bytes():
   assert engine.decode_bytes(target, stats, 100, None) == 400
   assert engine.decode_bytes(target, stats, 100, None, one_row=40) == 160
   assert engine.decode_bytes(lookup, stats, 100, None, one_row=40) == 2 * 100 + 2 * 40
-  bundle = tiny.packable_pair(3)
-  bundle.lay_out_target("packed")
-  params = bundle.target.params
-  full = memory.forward_bytes(params, False) - memory.param_bytes(params["greedy_head"])
-  one_row = engine.one_row_bytes(params, full)
-  head = params["lm_head_panels"].nbytes
-  assert one_row == full - head + memory.param_bytes(params["greedy_head"]) < full
+  bundle = tiny.packable_pair(3, kernels=True)  # a kernel-stored target has a greedy head
+  cfg, params = bundle.target.cfg, bundle.target.params
+  greedy = memory.param_bytes(params["greedy_head"])
+  head = weights.nbytes(jspec_model.head_of(jspec_model.merge(cfg, params)))
+  assert greedy > 0 and not cfg.tie_word_embeddings
+  # A forward reads every array once but the untied table (looked up) and the greedy head.
+  full = memory.forward_bytes(cfg, params)
+  assert full == memory.param_bytes(params) - greedy - weights.nbytes(params["embed"]["table"])
+  one_row = engine.one_row_bytes(cfg, params, full)
+  assert one_row == full - head + greedy < full
+  # A tied draft reads its table as the head; without a greedy head no round is one-row cheaper.
+  draft = bundle.draft
+  assert draft.cfg.tie_word_embeddings
+  assert memory.forward_bytes(draft.cfg, draft.params) == memory.param_bytes(draft.params)
+  assert engine.one_row_bytes(draft.cfg, draft.params, 100) is None

@@ -20,9 +20,7 @@ from jspec import api
 from jspec import cli
 from jspec import cpu_kernels
 from jspec import fetch
-from jspec import greedy_head
 from jspec import loading
-from jspec import model as jspec_model
 from jspec import tokenizer as tokenizer_lib
 
 PROMPT = test_load.PROMPT
@@ -56,7 +54,9 @@ def test_stream_json_and_generate_agree_with_stats(pair, bundle, capsys):
   code, out, err = _run(capsys, ["generate", PROMPT, "--max-new-tokens", "12", "--stats",
                                  *_paths(pair)])
   assert code == 0 and out == want.text  # a pipe gets the exact text, no added newline
-  assert re.fullmatch(r"jspec: 12 tokens, [\d.]+ tokens/s \(prefill [\d.]+ s, decode [\d.]+ s, "
+  # The stats line starts a line of its own, whether or not the text ended one.
+  assert err.startswith("jspec:" if out.endswith("\n") else "\njspec:")
+  assert re.fullmatch(r"\n?jspec: 12 tokens, [\d.]+ tokens/s \(prefill [\d.]+ s, decode [\d.]+ s, "
                       r"compile [\d.]+ s\), acceptance [\d.]+%, [\d.]+ accepted per round "
                       r"\([\d.]+ tokens per round, \d+ rounds\)\n", err), err
   code, out, err = _run(capsys, ["generate", PROMPT, "--max-new-tokens", "12", "--json",
@@ -81,17 +81,19 @@ def test_sampling_options_match_generate(pair, bundle, capsys):
 
 
 @pytest.mark.parametrize("argv,options", [
-    (["--draft", "prompt_lookup", "--ngram", "2", "--policy", "heuristic", "--gamma-max", "6"],
+    (["--method", "prompt_lookup", "--ngram", "2", "--policy", "heuristic", "--gamma-max", "6"],
      dict(method="prompt_lookup", ngram=2, policy="heuristic", gamma_max=6)),
-    (["--draft", "none"], dict(method="target")),
-    (["--draft-vocab", "200"], dict(method="model", draft_vocab=200)),
-    (["--draft", "lookup_model", "--ngram", "2"], dict(method="lookup_model", ngram=2)),
-    (["--float-draft"], dict(method="model", draft_int8=False)),
-], ids=["prompt_lookup", "none", "draft-vocab", "lookup_model", "float-draft"])
+    (["--method", "target"], dict(method="target")),
+    (["--method", "lookup_model", "--ngram", "2"], dict(method="lookup_model", ngram=2)),
+    (["--float-draft"], dict(method="model")),
+], ids=["prompt_lookup", "target", "lookup_model", "float-draft"])
 def test_draft_methods_match_generate(pair, bundle, capsys, argv, options):
+  if "--float-draft" in argv:
+    bundle = jspec.load(*pair, progress=False, draft_int8=False)
   want = jspec.generate(bundle, PROMPT, max_new_tokens=12, **options)
+  paths = _paths(pair) if jspec.Options(**options).uses_draft else ["--target", str(pair[0])]
   code, out, _ = _run(capsys, ["generate", PROMPT, "--max-new-tokens", "12", "--json", *argv,
-                               *_paths(pair)])
+                               *paths])
   got = json.loads(out)
   assert code == 0 and got["token_ids"] == want.token_ids
   if options["method"] == "target":
@@ -118,14 +120,14 @@ class Recorder:
     self.loads.append((target, draft, kwargs))
     return types.SimpleNamespace(tokenizer=self.tokenizer)
 
-  def stream(self, bundle, prompt, **kwargs):
-    self.calls.append(("stream", prompt, kwargs))
+  def stream(self, bundle, prompt, options):
+    self.calls.append(("stream", prompt, options))
     for piece in self.pieces:
       yield piece
     return dict(self.STATS)
 
-  def generate(self, bundle, prompt, **kwargs):
-    self.calls.append(("generate", prompt, kwargs))
+  def generate(self, bundle, prompt, options):
+    self.calls.append(("generate", prompt, options))
     return api.Result("abc", [1, 2], dict(self.STATS))
 
 
@@ -138,15 +140,14 @@ def test_every_generate_option_reaches_the_api(recorder, capsys):
   code, out, _ = _run(capsys, [
       "generate", "hi", "--max-new-tokens", "7", "--temperature", "0.5", "--top-p", "0.75",
       "--top-k", "11", "--gamma", "2", "--gamma-max", "5", "--policy", "confidence",
-      "--min-confidence", "0.25", "--seed", "9", "--draft", "prompt_lookup", "--ngram", "4",
-      "--draft-vocab", "200", "--float-draft",
+      "--min-confidence", "0.25", "--seed", "9", "--method", "prompt_lookup", "--ngram", "4",
       "--model", "qwen2.5-coder", "--dtype", "bfloat16", "--json"])
   assert code == 0
   (kind, prompt, options), = recorder.calls
   assert (kind, prompt) == ("generate", "hi")
-  assert options == dict(max_new_tokens=7, temperature=0.5, top_p=0.75, top_k=11, gamma=2,
-                         gamma_max=5, policy="confidence", min_confidence=0.25, seed=9,
-                         method="prompt_lookup", ngram=4, draft_vocab=200, draft_int8=False)
+  assert options == jspec.Options(max_new_tokens=7, temperature=0.5, top_p=0.75, top_k=11,
+                                  gamma=2, gamma_max=5, policy="confidence", min_confidence=0.25,
+                                  seed=9, method="prompt_lookup", ngram=4)
   # No draft model is loaded for prompt lookup: the pair's target alone.
   (target, draft, kwargs), = recorder.loads
   assert (target, draft) == (fetch.PAIRS["qwen2.5-coder"][0], None)
@@ -160,18 +161,17 @@ def test_every_generate_option_reaches_the_api(recorder, capsys):
 def test_defaults_and_paths_reach_load(recorder, capsys, pair):
   assert cli.main(["generate", "hi"]) == 0
   assert recorder.loads[-1][:2] == fetch.PAIRS[loading.DEFAULT_PAIR]
-  assert recorder.calls[-1][2] == dict(max_new_tokens=128, temperature=0.0, top_p=1.0, top_k=0,
-                                       gamma=None, gamma_max=None, policy=api.DEFAULT_POLICY,
-                                       min_confidence=0.5, seed=0, method="model", ngram=3,
-                                       draft_vocab=None, draft_int8=None)
+  assert recorder.calls[-1][2] == jspec.Options()  # the API's defaults, exactly
+  assert recorder.loads[-1][2]["settings"] == jspec.Settings()
+  assert cli.main(["generate", "hi", "--float-draft"]) == 0
+  assert recorder.loads[-1][2]["settings"] == jspec.Settings(draft_int8=False)
   assert cli.main(["generate", "hi", *_paths(pair), "--tokenizer", str(pair[0])]) == 0
   target, draft, kwargs = recorder.loads[-1]
   assert (target, draft) == (str(pair[0]), str(pair[1]))
   assert kwargs["tokenizer"] == str(pair[0]) and kwargs["dtype"] == "float32"
-  assert cli.main(["generate", "hi", "--draft", "none", "--target", str(pair[0]),
-                   "--draft-model", str(pair[1])]) == 0
-  assert recorder.loads[-1][1] is None and recorder.calls[-1][2]["method"] == "target"
-  assert capsys.readouterr().out == "abc" * 3
+  assert cli.main(["generate", "hi", "--method", "target", "--target", str(pair[0])]) == 0
+  assert recorder.loads[-1][1] is None and recorder.calls[-1][2].method == "target"
+  assert capsys.readouterr().out == "abc" * 4
 
 
 def test_chat_wraps_the_prompt_in_the_template(recorder, capsys):
@@ -189,12 +189,26 @@ def test_prompt_from_stdin(recorder, capsys, monkeypatch, argv):
 def test_stats_line_after_stream(recorder, capsys):
   code, out, err = _run(capsys, ["generate", "hi", "--stats"])
   assert code == 0 and out == "abc"
-  assert err == ("jspec: 3 tokens, 10.00 tokens/s (prefill 0.10 s, decode 0.20 s, compile 1.0 s), "
+  # On a line of its own (after a newline: "abc" ended without one), on stderr.
+  assert err == ("\njspec: 3 tokens, 10.00 tokens/s (prefill 0.10 s, decode 0.20 s, compile 1.0 s), "
                  "acceptance 50.0%, 2.00 accepted per round (2.00 tokens per round, 1 rounds)\n")
+  recorder.pieces = (("ab\n", [1]),)
+  code, out, err = _run(capsys, ["generate", "hi", "--stats"])
+  assert out == "ab\n" and err.startswith("jspec: 3 tokens")
+
+
+@pytest.mark.parametrize("data, where", [(b"\xff\xfe hi", "stdin"), (b"ok \xc3", "stdin")])
+def test_a_prompt_that_is_not_utf8_is_one_line(recorder, capsys, monkeypatch, data, where):
+  monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+  code, out, err = _run(capsys, ["generate"])
+  assert code == 2 and out == "" and not recorder.loads
+  assert err.startswith(f"jspec: error: {where} is not UTF-8 text") and err.count("\n") == 1
+  code, out, err = _run(capsys, ["generate", "a\udcffb"])  # argv keeps bad bytes as surrogates
+  assert code == 2 and "the PROMPT argument is not UTF-8 text" in err and err.count("\n") == 1
 
 
 def test_interrupt_and_broken_pipe(monkeypatch, recorder, capsys):
-  def interrupted(bundle, prompt, **kwargs):
+  def interrupted(bundle, prompt, options):
     yield "a", [1]
     raise KeyboardInterrupt
 
@@ -213,7 +227,7 @@ def test_interrupt_and_broken_pipe(monkeypatch, recorder, capsys):
 
 
 def test_bugs_keep_their_traceback(monkeypatch, recorder):
-  def broken(bundle, prompt, **kwargs):
+  def broken(bundle, prompt, options):
     raise RuntimeError("a bug")
     yield  # pylint: disable=unreachable
 
@@ -241,25 +255,25 @@ def _bad(root, kind, pair, make_hf_model, tiny_vocab, write_gguf):
     config.update(model_type="llama", architectures=["LlamaForCausalLM"])
     (llama / "config.json").write_text(json.dumps(config))
     (llama / "model.safetensors").write_bytes((target / "model.safetensors").read_bytes())
-    return [PROMPT, "--target", str(llama), "--draft", "none"]
+    return [PROMPT, "--target", str(llama), "--method", "target"]
   if kind in ("corrupt-jspec", "jspec-no-tokenizer"):
     out = convert.convert_checkpoint(target, root / "t.jspec.safetensors")
     if kind == "corrupt-jspec":
       out.write_bytes(out.read_bytes()[:-1000])
-    return [PROMPT, "--target", str(out), "--draft", "none"]
+    return [PROMPT, "--target", str(out), "--method", "target"]
   if kind == "corrupt-gguf":
     bad = root / "bad.gguf"
     bad.write_bytes(draft.read_bytes()[:5000])
     return [PROMPT, "--target", str(target), "--draft-model", str(bad)]
   if kind in ("missing", "not-a-checkpoint", "pickle"):
-    return [PROMPT, "--target", str(test_load._bad_path(root, kind)), "--draft", "none"]
+    return [PROMPT, "--target", str(test_load._bad_path(root, kind)), "--method", "target"]
   if kind == "pickle-dir":
     (root / "p").mkdir()
     (root / "p" / "config.json").write_text((target / "config.json").read_text())
     (root / "p" / "pytorch_model.bin").write_bytes(b"\x80\x04junk")
-    return [PROMPT, "--target", str(root / "p"), "--draft", "none"]
+    return [PROMPT, "--target", str(root / "p"), "--method", "target"]
   if kind == "too-long":
-    return ["x" * 600, "--target", str(target), "--draft", "none"]
+    return ["x" * 600, "--target", str(target), "--method", "target"]
   raise AssertionError(kind)
 
 
@@ -293,16 +307,24 @@ def test_bad_checkpoints_and_prompts(tmp_path, capsys, pair, make_hf_model, tiny
     (["--max-new-tokens", "ten"], ("'ten' is not an integer",)),
     (["--temperature", "-1"], ("--temperature",)),
     (["--temperature", "nan"], ("--temperature",)),
-    (["--top-p", "0"], ("--top-p", "(0.0, 1.0]")),
+    (["--temperature", "1e308"], ("--temperature", "1000")),
+    (["--temperature", "1e-38"], ("--temperature", "0.001")),
+    (["--top-p", "0"], ("--top-p", "(0, 1]")),
     (["--top-p", "1.5"], ("--top-p",)),
     (["--top-k", "-1"], ("--top-k",)),
     (["--gamma", "0"], ("--gamma",)),
-    (["--gamma", "5", "--gamma-max", "3"], ("--gamma 5", "--gamma-max 3")),
+    (["--gamma", "100000", "--policy", "fixed"], ("--gamma", "[1, 32]")),
+    (["--gamma", "5", "--gamma-max", "3"], ("gamma=5 exceeds gamma_max=3",)),
     (["--seed", "-1"], ("--seed",)),
+    (["--seed", str(2**64)], ("--seed",)),
     (["--ngram", "0"], ("--ngram",)),
-    (["--draft-vocab", "0"], ("--draft-vocab",)),
+    (["--ngram", "100000", "--method", "prompt_lookup"], ("--ngram", "[1, 16]")),
     (["--policy", "greedy"], ("--policy",)),
-    (["--draft", "eagle"], ("--draft",)),
+    (["--policy", "cumulative"], ("--policy",)),
+    (["--method", "eagle"], ("--method",)),
+    (["--draft-vocab", "10"], ("unrecognized arguments",)),
+    (["--float-draft", "--method", "prompt_lookup"], ("--float-draft", "prompt_lookup")),
+    (["--method", "target", "--draft-model", "x.gguf"], ("--draft-model", "--method target")),
     (["--dtype", "int8"], ("--dtype",)),
     (["--model", "qwen2.5-coder", "--target", "x"], ("not allowed with",)),
     (["--target", "/nonexistent/t.gguf"], ("/nonexistent/t.gguf", "no such file")),
@@ -347,29 +369,20 @@ def test_info_text_and_json(capsys, monkeypatch, tmp_path):
   (row,) = got["models"]
   assert not row["installed"] and list(row["converted"]) == ["float32"]
   kernels = got["cpu_kernels"]
-  assert kernels["built"] == cpu_kernels.available() and kernels["attention"] == kernels["built"]
+  assert kernels["built"] == cpu_kernels.available()
 
 
 def test_info_says_which_cpu_kernels_run(capsys, monkeypatch):
   if not cpu_kernels.available():
     pytest.skip(f"kernels unavailable: {cpu_kernels.unavailable_reason()}")
   code, out, _ = _run(capsys, ["info"])
-  assert code == 0 and re.search(
-      r"cpu kernels: built .*layer loop on, attention kernel on, greedy head on", out)
-  monkeypatch.setattr(jspec_model, "FUSED_ATTENTION", False)
+  assert code == 0 and re.search(r"cpu kernels: built \(int8: \w+\)", out)
+  monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+  monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: "no compiler (test)")
   code, out, _ = _run(capsys, ["info"])
-  assert "attention kernel off (JSPEC_FUSED_ATTENTION=0 or the loop off)" in out
+  assert "cpu kernels: not built (no compiler (test))" in out
   code, out, _ = _run(capsys, ["info", "--json"])
-  assert json.loads(out)["cpu_kernels"]["attention"] is False
-  # The kernel attends only inside the layer loop: with the loop off, so is it.
-  monkeypatch.setattr(jspec_model, "FUSED_ATTENTION", True)
-  monkeypatch.setattr(jspec_model, "SCAN_LAYERS", False)
-  code, out, _ = _run(capsys, ["info", "--json"])
-  assert json.loads(out)["cpu_kernels"] == {**json.loads(out)["cpu_kernels"], "layer_loop": False,
-                                            "attention": False}
-  monkeypatch.setattr(greedy_head, "ENABLED", False)
-  code, out, _ = _run(capsys, ["info"])
-  assert "greedy head off (JSPEC_GREEDY_HEAD=0)" in out
+  assert json.loads(out)["cpu_kernels"]["reason"] == "no compiler (test)"
 
 
 def test_convert_delegates(capsys, pair, tmp_path):

@@ -18,7 +18,7 @@ from convert import gguf_file
 from convert import keys
 from convert import store
 from jspec import cache as cache_lib
-from jspec import config as config_lib
+from convert import config as config_lib
 from jspec import model as model_lib
 
 Q = gguf.GGMLQuantizationType
@@ -31,9 +31,10 @@ GGUF_SIZES = dict(hidden_size=64, head_dim=8, num_attention_heads=8, num_key_val
                   intermediate_size=96)
 
 
-def _logits(cfg, params, tokens):
+def _logits(cfg, tensors, tokens):
   cache = cache_lib.init(cfg, tokens.shape[0], tokens.shape[1])
-  return np.asarray(model_lib.forward(params, cfg, jnp.asarray(tokens), cache)[0])
+  params = model_lib.params_from_tensors(cfg, tensors)
+  return np.asarray(model_lib.forward(model_lib.Arch(cfg), params, jnp.asarray(tokens), cache)[0])
 
 
 def _hf_logits(model, tokens):
@@ -70,11 +71,10 @@ def test_gguf_tensors_dequantize_to_hf_orientation(make_hf_model, write_gguf, tm
   path = write_gguf(tmp_path / "f32.gguf", hf)  # all F32: exact
   _, params = convert.load_checkpoint(path)
   sd = {k: v.numpy() for k, v in hf.state_dict().items()}
-  attn = params["layers_1"]["self_attn"]
-  for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-    np.testing.assert_array_equal(np.asarray(attn[name]["kernel"]),
-                                  sd[f"model.layers.1.self_attn.{name}.weight"].T)
-  np.testing.assert_array_equal(np.asarray(params["lm_head"]), sd["lm_head.weight"])
+  for name in ("q", "k", "v", "o"):
+    np.testing.assert_array_equal(np.asarray(params[f"layers/1/attn/{name}/w"]),
+                                  sd[f"model.layers.1.self_attn.{name}_proj.weight"].T)
+  np.testing.assert_array_equal(np.asarray(params["head/w"]), sd["lm_head.weight"])
 
 
 # Bad inputs. Each must fail with ConvertError/ConfigError naming the problem.
@@ -198,7 +198,7 @@ def test_rope_buffer_ignored_and_tied_head_checked(make_hf_model, tmp_path):
 
   ok = _copy_dir(tmp_path / "src", tmp_path / "ok", edit_tensors=lambda t: add(t, embed.copy()))
   cfg, params = convert.load_checkpoint(ok)
-  assert cfg.tie_word_embeddings and "lm_head" not in params
+  assert cfg.tie_word_embeddings and "head/w" not in params
   bad = _copy_dir(tmp_path / "src", tmp_path / "bad", edit_tensors=lambda t: add(t, embed + 1))
   _raises(bad, "lm_head.weight", "tie_word_embeddings")
 
@@ -257,12 +257,12 @@ def test_save_load_round_trip_exact(converted, tmp_path):
   path = store.save(tmp_path / "m.safetensors", cfg, params)
   cfg2, params2 = convert.load_checkpoint(path)
   assert cfg2 == cfg
-  flat, flat2 = keys.flatten(params), keys.flatten(params2)
-  assert flat.keys() == flat2.keys()
-  for name in flat:
-    np.testing.assert_array_equal(np.asarray(flat2[name]), np.asarray(flat[name]), err_msg=name)
+  assert list(params2) == list(params)
+  for name in params:
+    np.testing.assert_array_equal(np.asarray(params2[name]), np.asarray(params[name]),
+                                  err_msg=name)
   _, params16 = store.load(path, dtype="bfloat16")
-  assert params16["norm"]["weight"].dtype == jnp.bfloat16
+  assert params16["norm/scale"].dtype == jnp.bfloat16
 
 
 def test_interrupted_save_keeps_previous_file(converted, tmp_path, monkeypatch):
@@ -279,7 +279,7 @@ def test_interrupted_save_keeps_previous_file(converted, tmp_path, monkeypatch):
 
   monkeypatch.setattr(safetensors.numpy, "save_file", dies_midway)
   with pytest.raises(KeyboardInterrupt):
-    store.save(path, cfg, jax.tree.map(lambda x: x + 1, params))
+    store.save(path, cfg, {name: x + 1 for name, x in params.items()})
   with pytest.raises(KeyboardInterrupt):
     store.save(tmp_path / "new.safetensors", cfg, params)
   assert path.read_bytes() == before
@@ -304,10 +304,11 @@ def test_cli_converts_and_reports_errors(good_dir, tmp_path, capsys):
   assert cli.main([str(good_dir), str(out), "--dtype", "bfloat16"]) == 0
   cfg, params = store.load(out)  # dtype None: as stored
   assert cfg == config_lib.from_hf_json(good_dir)
-  assert params["embed_tokens"]["embedding"].dtype == jnp.bfloat16
+  assert params["embed/table"].dtype == jnp.bfloat16
   _, direct = convert.load_checkpoint(good_dir, dtype="bfloat16")
-  for name, value in keys.flatten(direct).items():
-    np.testing.assert_array_equal(keys.flatten(params)[name], np.asarray(value), err_msg=name)
+  assert list(direct) == list(params)
+  for name, value in direct.items():
+    np.testing.assert_array_equal(params[name], np.asarray(value), err_msg=name)
   capsys.readouterr()
   assert cli.main([str(tmp_path / "nope"), str(tmp_path / "x.safetensors")]) == 2
   err = capsys.readouterr().err

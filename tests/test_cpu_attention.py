@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jspec
 import tiny
 from jspec import cache as cache_lib
 from jspec import cpu_attention
 from jspec import cpu_kernels
-from jspec import layout
+from jspec import bundle as bundle_lib
 from jspec import model
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
@@ -94,22 +96,22 @@ def test_attend_refuses_shapes_that_do_not_fit():
                          jnp.zeros((B,), jnp.int32))
 
 
-def test_the_layer_loop_attends_with_the_kernel_as_xla_does(monkeypatch):
-  # A packed model's layers run as one loop (`model._scan_layers`) whose
-  # attention is the kernel's: the same logits and caches as XLA's
+def test_the_layer_loop_attends_with_the_kernel_as_xla_does():
+  # A kernel model's layers run as one loop (`model.Qwen2._scan_layers`)
+  # whose attention is the kernel's: the same logits and caches as XLA's
   # attention, for a prompt and then a 3-token chunk after it.
   cfg = dataclasses.replace(tiny.PACKABLE_TARGET, num_layers=3)
-  params = layout.convert(model.init_params(cfg, jax.random.key(1), scale=0.3), "packed")
+  params = model.init_params(cfg, jax.random.key(1), scale=0.3)
   prompt = jax.random.randint(jax.random.key(2), (2, 9), 0, cfg.vocab_size)
   chunk = jnp.array([[3, 5, 7], [11, 13, 17]], jnp.int32)
   results = {}
   for fused in (False, True):
-    monkeypatch.setattr(model, "FUSED_ATTENTION", fused)
-    fwd = jax.jit(lambda p, x, c: model.forward(p, cfg, x, c))
-    hlo = fwd.lower(params, chunk, cache_lib.init(cfg, 2, 40)).as_text()
+    m = bundle_lib.prepare(cfg, params, settings=jspec.Settings(kernels=True,
+                                                                fused_attention=fused))
+    fwd = jax.jit(lambda p, x, c, arch=m.arch: model.forward(arch, p, x, c))
+    hlo = fwd.lower(m.params, chunk, cache_lib.init(cfg, 2, 40)).as_text()
     assert (cpu_kernels.TARGET_ATTEND in hlo) == fused
-    logits, cache = fwd(params, prompt, cache_lib.init(cfg, 2, 40))
-    more, cache = fwd(params, chunk, cache_lib.with_lengths(cache, jnp.array([9, 6])))
-    results[fused] = [np.asarray(x) for x in (logits, more, cache.k, cache.v)]
-  for xla, kernel in zip(results[False], results[True]):
-    np.testing.assert_allclose(kernel, xla, rtol=1e-4, atol=1e-4)
+    logits, cache = fwd(m.params, prompt, cache_lib.init(cfg, 2, 40))
+    more, cache = fwd(m.params, chunk, cache_lib.with_lengths(cache, jnp.array([9, 6])))
+    results[fused] = (logits, more, cache.k, cache.v)
+  chex.assert_trees_all_close(results[True], results[False], rtol=1e-4, atol=1e-4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -113,15 +114,16 @@ def test_a_failed_compile_says_why_and_leaves_no_library(monkeypatch, tmp_path):
   assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
 
 
-def test_turning_the_kernel_off_falls_back_to_xla_layouts():
+def test_turning_the_kernel_off_falls_back_to_xla_forms():
   # A fresh process: availability is decided once per process.
-  code = ("from jspec import api, cpu_kernels; "
-          "print(cpu_kernels.available(), cpu_kernels.unavailable_reason(), "
-          "api.target_layout('model', 1, 'cpu'), api.target_layout('target', 1, 'cpu'))")
+  code = ("import sys; sys.path.insert(0, 'tests'); import tiny; from jspec import cpu_kernels; "
+          "b = tiny.packable_pair(0); "
+          "print(cpu_kernels.available(), cpu_kernels.unavailable_reason(), b.target.backend.kernels, "
+          "type(b.target.params['layers']['0']['mlp']['up']['w']).__name__)")
   env = {**os.environ, "JSPEC_CPU_KERNELS": "0"}
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       check=True).stdout
-  assert out.split() == ["False", "turned", "off", "by", "JSPEC_CPU_KERNELS=0", "cols", "rows"]
+                       check=True, cwd=pathlib.Path(__file__).parent.parent).stdout
+  assert out.split() == ["False", "turned", "off", "by", "JSPEC_CPU_KERNELS=0", "False", "Dense"]
 
 
 def _int8(shape, seed):

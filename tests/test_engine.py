@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import chex
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -19,6 +20,8 @@ from jspec import cache as cache_lib
 from jspec import decode
 from jspec import drafters
 from jspec import model
+from jspec import options as options_lib
+from jspec import programs
 from jspec import sampling
 
 # A few fixed engine settings, so hypothesis varies weights, prompts and EOS
@@ -28,8 +31,6 @@ SETTINGS = [
     dict(method="model", gamma=3, policy="fixed"),
     dict(method="model", gamma=2, gamma_max=5, policy="heuristic"),
     dict(method="model", gamma=5, policy="confidence", min_confidence=0.5, gamma_max=5),
-    dict(method="model", gamma=6, policy="cumulative", min_confidence=0.3, gamma_max=6),
-    dict(method="model", gamma=3, draft_vocab=5, policy="fixed"),
     dict(method="model"),  # the defaults
     dict(method="prompt_lookup", gamma=3, ngram=1, policy="fixed"),
     dict(method="prompt_lookup", gamma=4, ngram=2, policy="heuristic", gamma_max=6),
@@ -40,9 +41,15 @@ MAX_NEW = 24
 
 
 def with_eos(bundle: jspec.Bundle, eos: tuple[int, ...]) -> jspec.Bundle:
-  cfg = bundle.target.cfg
-  t_cfg = type(cfg)(**{**cfg.to_dict(), "eos_token_ids": eos})
-  return jspec.Bundle(jspec.Model(t_cfg, bundle.target.params), bundle.draft)
+  t_cfg = dataclasses.replace(bundle.target.cfg, eos_token_ids=eos)
+  return jspec.Bundle(dataclasses.replace(bundle.target, cfg=t_cfg), bundle.draft)
+
+
+def spec_of(bundle: jspec.Bundle, **kwargs) -> decode.Spec:
+  """The `decode.Spec` that `jspec.generate(bundle, ..., **kwargs)` compiles for."""
+  return jspec.Options(**kwargs).spec(bundle.target.arch,
+                                      bundle.draft.arch if bundle.draft else None,
+                                      bundle.vocab_limit)
 
 
 # One case per setting, so that each is covered and pytest-xdist can spread
@@ -75,11 +82,9 @@ def test_greedy_speculative_equals_target(setting):
 @pytest.mark.parametrize("gamma", [1, 3, 4])
 def test_draft_equal_to_target_accepts_everything(gamma):
   bundle = tiny.pair(1)
-  bundle = jspec.Bundle(bundle.target, bundle.target)
+  bundle = jspec.Bundle(bundle.target, bundle.target)  # the float target: an int8 copy differs
   n_new = 1 + 5 * (gamma + 1)
-  # The float draft: an int8 copy of the target is a different model.
-  out = jspec.generate(bundle, [1, 2, 3], max_new_tokens=n_new, gamma=gamma, policy="fixed",
-                       draft_int8=False)
+  out = jspec.generate(bundle, [1, 2, 3], max_new_tokens=n_new, gamma=gamma, policy="fixed")
   base = jspec.generate(bundle, [1, 2, 3], max_new_tokens=n_new, method="target")
   assert out.token_ids == base.token_ids
   # Every round accepts all gamma drafts and adds the bonus token.
@@ -110,9 +115,9 @@ def test_max_new_tokens_is_exact_for_every_gamma():
       assert len(jspec.generate(bundle, [1], max_new_tokens=n, gamma=gamma).token_ids) == n
 
 
-def _prefill_cache(cfg, params, tokens: list[int], slots: int) -> cache_lib.KVCache:
-  cache = cache_lib.init(cfg, 1, slots)
-  _, cache = model.forward(params, cfg, jnp.asarray([tokens], jnp.int32), cache)
+def _prefill_cache(m: jspec.Model, tokens: list[int], slots: int) -> cache_lib.KVCache:
+  cache = cache_lib.init(m.cfg, 1, slots, m.backend.dtype)
+  _, cache = model.forward(m.arch, m.params, jnp.asarray([tokens], jnp.int32), cache)
   return cache
 
 
@@ -121,11 +126,11 @@ def test_caches_after_rounds_equal_a_fresh_prefill(method):
   bundle = tiny.pair(4)
   if method == "model_is_target":  # every round accepts all drafts: the draft stays behind
     bundle, method = jspec.Bundle(bundle.target, bundle.target), "model"
-  d_cfg = bundle.draft.cfg if method in decode.DRAFT_METHODS else None
-  spec = decode.Spec(tiny.TARGET, d_cfg, method, sampling.Sampling(1.0), 3, 3, ngram=1)
+  uses_draft = method in decode.DRAFT_METHODS
+  spec = spec_of(bundle, method=method, temperature=1.0, gamma=3, policy="fixed", ngram=1)
   prompt = [5, 3, 5, 3, 5]
   width = decode.buffer_width(8, 16, 3)
-  dparams = decode.DraftWeights(bundle.draft.params) if d_cfg else None
+  dparams = bundle.draft.params if uses_draft else None
   state = decode.prefill(bundle.target.params, dparams, jnp.asarray([prompt + [0] * 3]),
                          jnp.asarray([5]), jnp.asarray([16]), jnp.zeros((0,), jnp.int32),
                          jax.random.key(0), spec=spec, width=width)
@@ -135,43 +140,45 @@ def test_caches_after_rounds_equal_a_fresh_prefill(method):
     tokens = np.asarray(state.tokens[0, :n]).tolist()
     t_len = int(state.target_cache.lengths[0])
     assert t_len == n - 1
-    fresh = _prefill_cache(tiny.TARGET, bundle.target.params, tokens[:t_len], width)
-    np.testing.assert_allclose(state.target_cache.k[:, :, :t_len], fresh.k[:, :, :t_len], atol=1e-5)
-    np.testing.assert_allclose(state.target_cache.v[:, :, :t_len], fresh.v[:, :, :t_len], atol=1e-5)
-    if d_cfg:
+    fresh = _prefill_cache(bundle.target, tokens[:t_len], width)
+    chex.assert_trees_all_close((state.target_cache.k[:, :, :t_len],
+                                 state.target_cache.v[:, :, :t_len]),
+                                (fresh.k[:, :, :t_len], fresh.v[:, :, :t_len]), atol=1e-5)
+    if uses_draft:
       # The draft holds what draft_len says: every token but the last, or
       # but the last two when its row accepted every draft it ran (and with
       # lookup_model less, after rounds that prompt lookup drafted).
       held = int(state.draft_len[0])
       assert (n - 2 if method == "model" else 0) <= held <= n - 1
-      fresh = _prefill_cache(d_cfg, bundle.draft.params, tokens[:held], width)
-      np.testing.assert_allclose(state.draft_cache.k[:, :, :held], fresh.k[:, :, :held], atol=1e-5)
-      np.testing.assert_allclose(state.draft_cache.v[:, :, :held], fresh.v[:, :, :held], atol=1e-5)
+      fresh = _prefill_cache(bundle.draft, tokens[:held], width)
+      chex.assert_trees_all_close((state.draft_cache.k[:, :, :held],
+                                   state.draft_cache.v[:, :, :held]),
+                                  (fresh.k[:, :, :held], fresh.v[:, :, :held]), atol=1e-5)
 
 
 def test_verify_runs_the_narrowest_width_that_holds_every_counted_draft():
   bundle = tiny.pair(11)
-  params = bundle.target.params
-  spec = decode.Spec(tiny.TARGET, None, "prompt_lookup", sampling.Sampling(), 8, 8)
+  params, arch = bundle.target.params, bundle.target.arch
+  spec = spec_of(bundle, method="prompt_lookup", gamma=8, policy="fixed")
   assert decode.verify_widths(spec) == (1, 3, 5, 9)
-  assert decode.verify_widths(dataclasses.replace(spec, method="model", draft=tiny.DRAFT)) \
+  assert decode.verify_widths(spec_of(bundle, method="model", gamma=8, policy="fixed")) \
       == (3, 5, 9)
   assert decode.verify_widths(dataclasses.replace(spec, dynamic_verify=False)) == (9,)
   slots, starts = 32, jnp.asarray([6, 9])
-  _, cache = model.forward(params, tiny.TARGET, jnp.asarray([tiny.prompt(11, 9)] * 2),
+  _, cache = model.forward(arch, params, jnp.asarray([tiny.prompt(11, 9)] * 2),
                            cache_lib.init(tiny.TARGET, 2, slots))
   cache = cache_lib.with_lengths(cache, starts)
   # A sentinel in every free slot shows which slots the verify wrote.
   free = jnp.arange(slots)[None, None, :, None, None] >= starts[None, :, None, None, None]
   cache = cache.replace(k=jnp.where(free, 123.0, cache.k))
   chunk = jnp.asarray([tiny.prompt(12, 9), tiny.prompt(13, 9)])  # [2, G+1]
-  full, _ = model.forward(params, tiny.TARGET, chunk, cache)
+  full, _ = model.forward(arch, params, chunk, cache)
   sampled = dataclasses.replace(spec, sampling=sampling.Sampling(1.0))  # logits, not tokens
   for counted, w in [((0, 0), 1), ((1, 0), 3), ((0, 2), 3), ((3, 1), 5), ((4, 4), 5),
                      ((5, 0), 9), ((8, 8), 9)]:
-    logits, out = decode._verify(params, sampled, chunk, cache, jnp.asarray(counted))
+    logits, out = decode.verify(params, sampled, chunk, cache, jnp.asarray(counted))
     # Greedy, the verdict is the argmax token at each position.
-    tokens, greedy_out = decode._verify(params, spec, chunk, cache, jnp.asarray(counted))
+    tokens, greedy_out = decode.verify(params, spec, chunk, cache, jnp.asarray(counted))
     for row, c in enumerate(counted):
       np.testing.assert_allclose(logits[row, :c + 1], full[row, :c + 1], atol=1e-5)
       assert tokens[row, :c + 1].tolist() == np.argmax(full[row, :c + 1], -1).tolist()
@@ -182,8 +189,8 @@ def test_verify_runs_the_narrowest_width_that_holds_every_counted_draft():
 
 
 def test_fill_verify_counts_ready_drafts_only_into_spare_positions():
-  spec = decode.Spec(tiny.TARGET, tiny.DRAFT, "model", sampling.Sampling(), 8, 8)  # widths 3, 5, 9
-  fill = lambda counted, ready, done=(False, False): decode._fill_verify(
+  spec = spec_of(tiny.pair(0), method="model", gamma=8, policy="fixed")  # widths 3, 5, 9
+  fill = lambda counted, ready, done=(False, False): decode.fill_verify(
       spec, jnp.asarray(counted), jnp.asarray(ready), jnp.asarray(done)).tolist()
   assert fill((1, 1), (2, 2)) == [2, 2]  # one counted: width 3 holds a second
   assert fill((3, 1), (4, 4)) == [4, 4]  # width 5: up to 4 drafts, no more than ready
@@ -209,22 +216,6 @@ def test_confidence_policy_stops_an_unsure_greedy_draft():
   assert set(traces[0.0]) == {6}  # always sure enough
   assert set(traces[1.0]) == {1}  # never: only the first draft counts
   assert len(set(traces[0.3])) > 1 and min(traces[0.3]) < 6  # stops where the draft is unsure
-
-
-def test_cumulative_policy_stops_once_the_product_of_top_probabilities_is_low():
-  bundle = tiny.pair(seed=14)
-  prompt = tiny.prompt(14, 6)
-  base = jspec.generate(bundle, prompt, max_new_tokens=24, method="target")
-  kw = dict(max_new_tokens=24, gamma=6, gamma_max=6, min_confidence=0.3)
-  drafted = {}
-  for policy in ("confidence", "cumulative"):
-    out = jspec.generate(bundle, prompt, policy=policy, **kw)
-    assert out.token_ids == base.token_ids
-    drafted[policy] = out.stats["gamma_trace"]
-  # Each round's product is at most each of its factors: the cumulative
-  # policy counts fewer drafts per round than the per-draft one.
-  assert np.mean(drafted["cumulative"]) < np.mean(drafted["confidence"]) - 0.5
-  assert max(drafted["confidence"]) == 6  # so the cap is not what stops the cumulative policy
 
 
 @functools.lru_cache(maxsize=None)
@@ -275,22 +266,24 @@ def test_prompt_lookup_without_a_match_emits_one_target_token_per_round():
 
 
 def test_lookup_model_copies_up_to_sixteen_by_default_and_model_drafts_eight():
-  bundle = tiny.pair(8)
-  spec = lambda method, policy, gamma=None: api._spec(bundle, method, 0.0, 0, 1.0, gamma, None,
-                                                      policy, 0.5, 3)
-  assert spec("lookup_model", "confidence").gamma_max == api.DEFAULT_LOOKUP_MODEL_GAMMA == 16
-  assert spec("lookup_model", "cumulative").gamma_max == 16
-  assert spec("model", "confidence").gamma_max == 8
-  assert spec("lookup_model", "fixed").gamma_max == 4  # no stopping rule: fixed gamma
-  assert spec("lookup_model", "confidence", gamma=5).gamma_max == 5  # asked for
+  gammas = lambda **kw: jspec.Options(**kw).gammas()
+  assert gammas(method="lookup_model") == (16, 16)
+  assert options_lib.DEFAULT_LOOKUP_MODEL_GAMMA == 16
+  assert gammas(method="model") == (8, 8)  # the default policy: confidence, up to 8
+  assert gammas(method="lookup_model", policy="fixed") == (4, 4)  # no stopping rule
+  assert gammas(method="lookup_model", gamma=5) == (5, 5)  # asked for
+  assert gammas(method="model", policy="heuristic") == (4, 8)
+  assert gammas(method="model", policy="heuristic", gamma=2, gamma_max=5) == (2, 5)
+  assert gammas(method="model", gamma_max=6) == (6, 6)
+  assert gammas(method="target") == (0, 0)
 
 
 def test_same_shapes_compile_once_and_run_all_rounds_in_one_dispatch(monkeypatch):
   bundle = tiny.pair(9)
   jspec.generate(bundle, [1, 2, 3], max_new_tokens=30, gamma=2)
-  compiles = api.PROGRAMS.compiles
+  compiles = programs.PROGRAMS.compiles
   calls = []
-  real_get = api.PROGRAMS.get
+  real_get = programs.PROGRAMS.get
 
   def counting_get(name, fn, args, static, **kwargs):
     program, secs = real_get(name, fn, args, static, **kwargs)
@@ -299,13 +292,28 @@ def test_same_shapes_compile_once_and_run_all_rounds_in_one_dispatch(monkeypatch
       return program(*a)
     counted.out_info = program.out_info  # a faithful stand-in for the compiled program
     return counted, secs
-  monkeypatch.setattr(api.PROGRAMS, "get", counting_get)
+  monkeypatch.setattr(programs.PROGRAMS, "get", counting_get)
   # Another prompt length in the same bucket, another seed: no new compile.
   out = jspec.generate(bundle, [4, 5, 6, 7, 8], max_new_tokens=30, gamma=2, seed=3)
-  assert api.PROGRAMS.compiles == compiles
+  assert programs.PROGRAMS.compiles == compiles
   assert out.stats["compile_s"] == 0.0
   assert out.stats["rounds"] > 5
   assert calls == ["prefill", "run"]  # many rounds, one dispatch of the loop
+
+
+def test_a_new_prompt_length_in_the_same_bucket_traces_nothing(monkeypatch):
+  # With the program store off, every compile traces: chex counts the traces.
+  monkeypatch.setenv("JSPEC_XLA_CACHE", "0")
+  programs.release()
+  for name, static in (("prefill", ("spec", "width")), ("run", ("spec",))):
+    counted = chex.assert_max_traces(getattr(decode, name).__wrapped__, n=1)
+    monkeypatch.setattr(decode, name, jax.jit(counted, static_argnames=static))
+  bundle = tiny.pair(9)
+  for length in (3, 7, 11):  # buckets 16 (prefill) and 16 (loop) for all three
+    jspec.generate(bundle, tiny.prompt(length, length), max_new_tokens=10, gamma=2)
+  with pytest.raises(AssertionError, match="traced > 1 times"):
+    jspec.generate(bundle, tiny.prompt(1, 20), max_new_tokens=10, gamma=2)  # another bucket
+  programs.release()
 
 
 def _baked(bundle: jspec.Bundle, prompt: list[int], max_new: int, seed: int, **kwargs) -> list[int]:
@@ -315,12 +323,9 @@ def _baked(bundle: jspec.Bundle, prompt: list[int], max_new: int, seed: int, **k
   for, as every setting was before temperature, top_p and min_confidence
   became data.
   """
-  spec = api._spec(bundle, kwargs.pop("method", "model"), kwargs.pop("temperature", 0.0), 0,
-                   kwargs.pop("top_p", 1.0), None, None, kwargs.pop("policy", "fixed"),
-                   kwargs.pop("min_confidence", 0.0), 3)
-  assert not kwargs
+  spec = spec_of(bundle, **{"policy": "fixed", **kwargs})
   width = decode.buffer_width(16, 16, spec.gamma_max)
-  dparams = decode.DraftWeights(bundle.draft.params)
+  dparams = bundle.draft.params
   state = decode.prefill(bundle.target.params, dparams,
                          jnp.asarray([prompt + [0] * (16 - len(prompt))]), jnp.asarray([len(prompt)]),
                          jnp.asarray([max_new]), jnp.zeros((0,), jnp.int32), jax.random.key(seed),
@@ -336,15 +341,15 @@ def _baked(bundle: jspec.Bundle, prompt: list[int], max_new: int, seed: int, **k
                         dict(policy="confidence", min_confidence=0.8)]),
 ])
 def test_temperature_top_p_and_min_confidence_are_data_not_new_programs(kind, settings):
-  bundle = tiny.pair(12, scale=1.0)
-  prompt = tiny.prompt(12, 6)
+  bundle = tiny.pair(13, scale=1.0, draft_int8=False)
+  prompt = tiny.prompt(13, 6)
   got = []
   for i, kwargs in enumerate(settings):
-    out = jspec.generate(bundle, prompt, max_new_tokens=16, draft_int8=False, seed=5, **kwargs)
+    out = jspec.generate(bundle, prompt, max_new_tokens=16, seed=5, **kwargs)
     if i == 0:
-      compiles = api.PROGRAMS.compiles
+      compiles = programs.PROGRAMS.compiles
     else:  # another value of the setting: the same programs
-      assert api.PROGRAMS.compiles == compiles
+      assert programs.PROGRAMS.compiles == compiles
       assert out.stats["compile_s"] == 0.0
     # ... and the same tokens as a program with the value compiled in.
     assert out.token_ids == _baked(bundle, prompt, 16, 5, **kwargs)
@@ -356,15 +361,15 @@ def test_temperature_top_p_and_min_confidence_are_data_not_new_programs(kind, se
 
 
 def test_prefill_pads_to_an_eighth_of_the_bucket_and_shares_the_loop_program():
-  assert [api._prefill_bucket(n) for n in (1, 16, 17, 35, 78, 157, 317, 512, 513)] == [
+  assert [api.prefill_width(n) for n in (1, 16, 17, 35, 78, 157, 317, 512, 513)] == [
       16, 16, 32, 48, 80, 160, 320, 512, 640]
   bundle = tiny.pair(9)
   target = jspec.generate(bundle, tiny.prompt(3, 33), max_new_tokens=12, method="target")
   first = jspec.generate(bundle, tiny.prompt(3, 33), max_new_tokens=12, gamma=2)
-  compiles = api.PROGRAMS.compiles
+  compiles = programs.PROGRAMS.compiles
   # 60 tokens: the same loop buffers (bucket 64), a wider prefill (64, not 48).
   second = jspec.generate(bundle, tiny.prompt(4, 60), max_new_tokens=12, gamma=2)
-  assert api.PROGRAMS.compiles == compiles + 1  # the prefill only
+  assert programs.PROGRAMS.compiles == compiles + 1  # the prefill only
   assert first.token_ids == target.token_ids
   assert second.token_ids == jspec.generate(bundle, tiny.prompt(4, 60), max_new_tokens=12,
                                             method="target").token_ids
@@ -387,14 +392,25 @@ def test_stream_concatenates_to_generate_and_can_be_abandoned():
     (dict(prompt=[]), "empty"),
     (dict(prompt=[[]]), "empty"),
     (dict(prompt="text"), "tokenizer"),
-    (dict(prompt=[[1], 5]), "batch item 1"),
-    (dict(prompt=[[1]] * (api.MAX_BATCH + 1)), "exceeds the maximum"),
+    (dict(prompt=[[1], 5]), "got int"),
+    (dict(prompt=None), "None"),
+    (dict(prompt=[[1]] * (options_lib.MAX_BATCH + 1)), "exceeds the maximum"),
     (dict(prompt=[1, tiny.VOCAB]), "outside the vocabulary"),
     (dict(prompt=[1, -1]), "outside the vocabulary"),
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(max_new_tokens=tiny.TARGET.max_position_embeddings), "context"),
     (dict(temperature=-1.0), "temperature"),
     (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=1e-38), "temperature"),
+    (dict(temperature=1e308), "temperature"),
+    (dict(temperature="0.5"), "temperature"),
+    (dict(seed=-1), "seed"),
+    (dict(seed=2**64), "seed"),
+    (dict(seed=1.5), "seed"),
+    (dict(gamma=options_lib.MAX_GAMMA + 1), "gamma"),
+    (dict(gamma_max=100000, policy="fixed"), "gamma_max"),
+    (dict(method="prompt_lookup", ngram=100000), "ngram"),
+    (dict(method="model", stop_at_eos=1), "stop_at_eos"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-1), "top_k"),
@@ -406,16 +422,24 @@ def test_stream_concatenates_to_generate_and_can_be_abandoned():
     (dict(min_confidence=1.5), "min_confidence"),
     (dict(min_confidence=float("nan")), "min_confidence"),
     (dict(min_confidence="high"), "min_confidence"),
-    (dict(draft_vocab=0), "draft_vocab"),
-    (dict(draft_vocab=tiny.VOCAB + 1), "draft_vocab"),
 ])
 def test_bad_input_is_a_clear_value_error(kwargs, message):
   bundle = tiny.pair(0)
   kwargs = {"prompt": [1, 2], **kwargs}
-  before = api.PROGRAMS.compiles
+  before = programs.PROGRAMS.compiles
   with pytest.raises(ValueError, match=message):
     jspec.generate(bundle, kwargs.pop("prompt"), **kwargs)
-  assert api.PROGRAMS.compiles == before  # rejected before any compute
+  assert programs.PROGRAMS.compiles == before  # rejected before any compute
+
+
+def test_unknown_options_are_a_type_error_and_stream_shares_the_checks():
+  bundle = tiny.pair(0)
+  with pytest.raises(TypeError, match="draft_vocab"):
+    jspec.generate(bundle, [1, 2], draft_vocab=5)
+  with pytest.raises(ValueError, match="temperature"):
+    next(jspec.stream(bundle, [1, 2], temperature=-1.0))
+  with pytest.raises(ValueError, match="a batch"):
+    next(jspec.stream(bundle, [[1, 2], [3]]))
 
 
 def test_vocabulary_mismatch_is_refused_and_padding_is_masked():
@@ -438,14 +462,14 @@ def test_vocabulary_mismatch_is_refused_and_padding_is_masked():
 
 def test_draft_catch_up_feeds_every_missing_token_in_chunks():
   """After prompt lookup rounds the draft lacks many tokens: it is fed them all, x_{n-1} last."""
-  bundle = tiny.pair(12)
-  cfg, params = tiny.DRAFT, bundle.draft.params
+  bundle = tiny.pair(12, draft_int8=False)
+  cfg, params, arch = tiny.DRAFT, bundle.draft.params, bundle.draft.arch
   seq = tiny.prompt(12, 20)
   seq_len = jnp.asarray([20, 20, 17, 9])
   held = jnp.asarray([19, 18, 4, 1])  # lacking 1, 2, 13 and 8 tokens
   tokens = jnp.asarray([seq + [0] * 12] * 4)  # [4, 32]
   slots = 40
-  _, dcache = model.forward(params, cfg, tokens[:, :20], cache_lib.init(cfg, 4, slots))
+  _, dcache = model.forward(arch, params, tokens[:, :20], cache_lib.init(cfg, 4, slots))
   # What the draft held past `held` is stale: make it garbage.
   stale = jnp.arange(slots)[None, None, :, None, None] >= held[None, :, None, None, None]
   dcache = dcache.replace(k=jnp.where(stale, 9.0, dcache.k), v=jnp.where(stale, 9.0, dcache.v))
@@ -453,13 +477,12 @@ def test_draft_catch_up_feeds_every_missing_token_in_chunks():
   assert widths == (1, 2, 9)
   assert drafters.catch_up_widths(16, hybrid=True) == (1, 2, 9, 17)
   assert drafters.catch_up_widths(4, hybrid=True) == (1, 2, 5)
-  logits, dcache = drafters._first_step(params, cfg, dcache, tokens, seq_len,
-                                        held, None, widths)
+  logits, dcache = drafters.catch_up(arch, params, dcache, tokens, seq_len, held, widths)
   for row in range(4):
     n = int(seq_len[row])
-    fresh_logits, fresh = model.forward(params, cfg, jnp.asarray([seq[:n]]),
+    fresh_logits, fresh = model.forward(arch, params, jnp.asarray([seq[:n]]),
                                         cache_lib.init(cfg, 1, slots))
-    np.testing.assert_allclose(logits[row], fresh_logits[0, n - 1], atol=1e-5)
-    np.testing.assert_allclose(dcache.k[:, row, :n], fresh.k[:, 0, :n], atol=1e-5)
-    np.testing.assert_allclose(dcache.v[:, row, :n], fresh.v[:, 0, :n], atol=1e-5)
+    chex.assert_trees_all_close((logits[row], dcache.k[:, row, :n], dcache.v[:, row, :n]),
+                                (fresh_logits[0, n - 1], fresh.k[:, 0, :n], fresh.v[:, 0, :n]),
+                                atol=1e-5)
     assert int(dcache.lengths[row]) == n

@@ -9,10 +9,9 @@ import pytest
 
 import jspec
 import tiny
-from jspec import api
+from jspec import programs
 from jspec import cpu_kernels
 from jspec import greedy_head
-from jspec import layout
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason=f"no CPU kernel here: {cpu_kernels.unavailable_reason()}")
@@ -41,8 +40,8 @@ def test_each_estimate_is_within_its_bound_of_the_float32_logit():
   head = greedy_head.make(panels)
   x = jax.random.normal(jax.random.key(3), (4, D)) * 5
   full = cpu_kernels.matmul(x, panels)
-  estimate = cpu_kernels.matmul_f32s8(x, head["qpanels"]) * head["scale"]
-  slack = jnp.linalg.norm(x, axis=-1, keepdims=True) * head["bound"]
+  estimate = cpu_kernels.matmul_f32s8(x, head.qpanels) * head.scale
+  slack = jnp.linalg.norm(x, axis=-1, keepdims=True) * head.bound
   assert bool(jnp.all(jnp.abs(estimate - full) <= slack))
   assert float(jnp.max(jnp.abs(estimate - full) / slack)) > 0.05  # the bound is not vacuous
 
@@ -75,7 +74,7 @@ def test_close_rows_whose_estimates_misorder_still_give_the_exact_argmax():
   head = greedy_head.make(panels)
   x = base * 40 + jax.random.normal(jax.random.key(7), (64, D))
   full = cpu_kernels.matmul(x, panels)
-  estimate = cpu_kernels.matmul_f32s8(x, head["qpanels"]) * head["scale"]
+  estimate = cpu_kernels.matmul_f32s8(x, head.qpanels) * head.scale
   assert int(jnp.sum(jnp.argmax(estimate, -1) != jnp.argmax(full, -1))) > 5
   got = greedy_head.logits(x, panels, head, capacity=V)
   np.testing.assert_array_equal(jnp.argmax(got, -1), jnp.argmax(full, -1))
@@ -102,35 +101,32 @@ def test_more_candidates_than_capacity_take_the_full_head():
 def test_an_all_zero_row_is_estimated_exactly():
   panels = cpu_kernels.pack_table(_table().at[3].set(0.0))
   head = greedy_head.make(panels)
-  assert float(head["bound"][3]) == 0.0 and float(head["scale"][3]) == 1.0
+  assert float(head.bound[3]) == 0.0 and float(head.scale[3]) == 1.0
 
 
 @pytest.mark.parametrize("method", ["target", "model", "prompt_lookup"])
-def test_generate_makes_the_int8_head_and_gives_the_same_tokens_without_it(method, monkeypatch):
-  bundle = tiny.packable_pair(6)
+def test_a_target_with_the_int8_head_gives_the_tokens_of_one_without(method):
+  if not cpu_kernels.available():
+    pytest.skip("no CPU kernels")
+  with_head = tiny.packable_pair(6)
+  without = tiny.packable_pair(6, greedy_head=False)
+  assert isinstance(with_head.target.params["greedy_head"], greedy_head.GreedyHead)
+  assert without.target.params["greedy_head"] is None
   prompt = np.random.RandomState(6).randint(0, tiny.PACKABLE_VOCAB, size=9).tolist()
-  with_head = jspec.generate(bundle, prompt, max_new_tokens=24, method=method)
-  assert greedy_head.PARAM in bundle.target.params
-  monkeypatch.setattr(greedy_head, "ENABLED", False)
-  api.release_programs()
-  without = jspec.generate(bundle, prompt, max_new_tokens=24, method=method)
-  assert greedy_head.PARAM not in bundle.target.params and without.stats["relayout_s"] > 0
-  assert with_head.token_ids == without.token_ids
+  got = jspec.generate(with_head, prompt, max_new_tokens=24, method=method)
+  assert got.token_ids == jspec.generate(without, prompt, max_new_tokens=24,
+                                         method=method).token_ids
 
 
-def test_the_int8_head_goes_with_the_packed_layout(monkeypatch):
-  bundle = tiny.packable_pair(7)
-  bundle.lay_out_target("packed")
-  assert greedy_head.PARAM in bundle.target.params
-  assert bundle.lay_out_target("packed") == 0.0
-  bundle.lay_out_target("cols")
-  assert greedy_head.PARAM not in bundle.target.params and layout.of(bundle.target.params) == "cols"
+def test_only_a_float32_kernel_target_gets_the_int8_head():
+  assert tiny.packable_pair(7, kernels=False).target.params["greedy_head"] is None
+  assert tiny.packable_pair(7).draft.params["greedy_head"] is None  # a draft never does
 
 
 def test_sampling_reads_the_whole_head(monkeypatch):
   calls = []
   monkeypatch.setattr(greedy_head, "logits", lambda *a, **k: calls.append(1))
   bundle = tiny.packable_pair(8)
-  api.release_programs()
+  programs.release()
   jspec.generate(bundle, [1, 2, 3], max_new_tokens=4, method="target", temperature=0.8, seed=1)
   assert not calls

@@ -1,4 +1,4 @@
-"""bench.lookup_bound: the replay drafts what the engine's prompt lookup drafts, and bounds the gain."""
+"""bench.tools.lookup_bound: the replay drafts what prompt lookup drafts, and bounds the gain."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench import lookup_bound
+from bench.tools import lookup_bound
 from jspec import drafters
 
 

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
+import jspec
 import tiny
 from jspec import cache as cache_lib
 from jspec import decode
@@ -74,13 +75,13 @@ def exact_joint(bundle, prompt: list[int], k: int, s: sampling.Sampling) -> np.n
   Returns:
     [V] * k array of joint probabilities.
   """
-  cfg, params = bundle.target.cfg, bundle.target.params
+  cfg, params, arch = bundle.target.cfg, bundle.target.params, bundle.target.arch
   v = cfg.vocab_size
   prefixes = np.array(list(itertools.product(range(v), repeat=k - 1)), np.int32)
   prefixes = prefixes.reshape(len(prefixes), k - 1)  # [V^(k-1), k-1]
   seqs = np.concatenate([np.tile(prompt, (len(prefixes), 1)), prefixes], axis=1)
   cache = cache_lib.init(cfg, len(seqs), seqs.shape[1] + 1)
-  logits, _ = jax.jit(lambda p, t, c: model.forward(p, cfg, t, c))(params, jnp.asarray(seqs), cache)
+  logits, _ = jax.jit(lambda p, t, c: model.forward(arch, p, t, c))(params, jnp.asarray(seqs), cache)
   cond = reference_probs(np.asarray(logits)[:, len(prompt) - 1:], s)  # [V^(k-1), k, V]
   joint = np.ones([v] * k)
   for i in range(k):
@@ -104,16 +105,14 @@ def chi_square_p(samples: np.ndarray, probs: np.ndarray) -> float:
   obs = np.append(observed[~small], observed[small].sum())
   exp = np.append(expected[~small], expected[small].sum())
   keep = exp > 0
+  if keep.sum() == 1:  # one possible outcome (top-p kept one token): it must be every sample
+    return 1.0 if obs[keep].sum() == len(samples) else 0.0
   return float(scipy.stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
 
 
-def draw(bundle, prompts: list[list[int]], spec: decode.Spec, n_new: int, seed: int,
-         draft_vocab: int | None = None, draft_int8: bool = False) -> list[np.ndarray]:
+def draw(bundle, prompts: list[list[int]], spec: decode.Spec, n_new: int,
+         seed: int) -> list[np.ndarray]:
   """Samples N_ROWS generations of each prompt, all prompts mixed in one batch.
-
-  Args:
-    draft_vocab: cut the draft's head to the first ids (None: full head).
-    draft_int8: draft with the int8 copy of the draft (`jspec.quant`).
 
   Returns:
     Per prompt, [N_ROWS, n_new] new token ids.
@@ -125,8 +124,7 @@ def draw(bundle, prompts: list[list[int]], spec: decode.Spec, n_new: int, seed: 
     rows[i::len(prompts), :len(p)] = p  # interleave so prompts share rounds
     lengths[i::len(prompts)] = len(p)
   width = decode.buffer_width(p_width, n_new, spec.gamma_max)
-  dparams = (bundle.draft_weights(draft_vocab, draft_int8)
-             if spec.method in decode.DRAFT_METHODS else None)
+  dparams = bundle.draft.params if spec.method in decode.DRAFT_METHODS else None
   state = decode.prefill(bundle.target.params, dparams, jnp.asarray(rows), jnp.asarray(lengths),
                          jnp.full((len(rows),), n_new, jnp.int32), jnp.zeros((0,), jnp.int32),
                          jax.random.key(seed),
@@ -143,40 +141,36 @@ def draw(bundle, prompts: list[list[int]], spec: decode.Spec, n_new: int, seed: 
 PROMPTS = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8]]
 
 CASES = {
-    "t1.0-g3": dict(samp=sampling.Sampling(1.0), gamma=3),
-    "t0.7-topk4-g2": dict(samp=sampling.Sampling(0.7, top_k=4), gamma=2),
-    "t1.3-topp0.8-heuristic": dict(samp=sampling.Sampling(1.3, top_p=0.8), gamma=2,
-                                   gamma_max=4, policy="heuristic"),
-    "t1.0-confidence": dict(samp=sampling.Sampling(1.0), gamma=4, policy="confidence",
-                            min_confidence=0.4),
-    "t1.0-cumulative": dict(samp=sampling.Sampling(1.0), gamma=4, policy="cumulative",
-                            min_confidence=0.2),
+    "t1.0-g3": dict(temperature=1.0, gamma=3),
+    "t0.7-topk4-g2": dict(temperature=0.7, top_k=4, gamma=2),
+    "t1.3-topp0.8-heuristic": dict(temperature=1.3, top_p=0.8, gamma=2, gamma_max=4,
+                                   policy="heuristic"),
+    "t1.0-confidence": dict(temperature=1.0, gamma=4, policy="confidence", min_confidence=0.4),
     # Up to 2-grams: rows draft 4 after a 2-gram match, 2 after a 1-gram one.
-    "lookup-t1.0": dict(samp=sampling.Sampling(1.0), gamma=4, method="prompt_lookup", ngram=2),
+    "lookup-t1.0": dict(temperature=1.0, gamma=4, method="prompt_lookup", ngram=2),
     # The second prompt's last 2-gram occurred before (lookup drafts), the
     # first's did not (the draft model drafts): both kinds of q in one batch.
-    "lookup_model-t1.0": dict(samp=sampling.Sampling(1.0), gamma=3, method="lookup_model",
-                              ngram=2),
-    # The draft can propose only ids 0..5: q = 0 on the rest of the vocabulary.
-    "t1.0-g3-draft-head6": dict(samp=sampling.Sampling(1.0), gamma=3, draft_vocab=6),
-    # The int8 draft (the CPU default of `jspec.generate`): q is its own
-    # distribution, so the output is still the target's.
-    "t1.0-g3-int8": dict(samp=sampling.Sampling(1.0), gamma=3, draft_int8=True),
-    "t0.8-confidence-int8-head6": dict(samp=sampling.Sampling(0.8), gamma=4, policy="confidence",
-                                       min_confidence=0.4, draft_int8=True, draft_vocab=6),
+    "lookup_model-t1.0": dict(temperature=1.0, gamma=3, method="lookup_model", ngram=2),
+    # The int8 draft (the CPU default): q is its own distribution, so the
+    # output is still the target's.
+    "t1.0-g3-int8": dict(temperature=1.0, gamma=3, draft_int8=True),
+    "t0.8-confidence-int8": dict(temperature=0.8, gamma=4, policy="confidence",
+                                 min_confidence=0.4, draft_int8=True),
 }
+
+
+def _spec(bundle, **options) -> decode.Spec:
+  options.setdefault("policy", "fixed")
+  return jspec.Options(**options).spec(bundle.target.arch, bundle.draft.arch, bundle.vocab_limit)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_first_three_tokens_follow_target(name):
   case = dict(CASES[name])
-  samp = case.pop("samp")
-  bundle = tiny.pair(seed=3, scale=0.6)
-  draft_vocab = case.pop("draft_vocab", None)
-  draft_int8 = case.pop("draft_int8", False)
-  spec = decode.Spec(tiny.TARGET, tiny.DRAFT, case.pop("method", "model"), samp,
-                     case.pop("gamma_max", case["gamma"]), **case)
-  samples = draw(bundle, PROMPTS, spec, 3, seed=11, draft_vocab=draft_vocab, draft_int8=draft_int8)
+  bundle = tiny.pair(seed=3, scale=0.6, draft_int8=case.pop("draft_int8", False))
+  spec = _spec(bundle, **case)
+  samp = spec.sampling
+  samples = draw(bundle, PROMPTS, spec, 3, seed=11)
   for prompt, got in zip(PROMPTS, samples):
     probs = exact_joint(bundle, prompt, 3, samp)
     p_value = chi_square_p(got, probs)
@@ -196,13 +190,12 @@ def test_later_rounds_follow_target(method):
   and the draft model, which then catches up on what lookup emitted.
   """
   v = 5
-  bundle = tiny.pair(seed=5, scale=0.6, vocab=v)
-  samp = sampling.Sampling(1.0)
-  spec = decode.Spec(bundle.target.cfg, bundle.draft.cfg, method, samp, 2, 2, ngram=1)
+  bundle = tiny.pair(seed=5, scale=0.6, vocab=v, draft_int8=False)
+  spec = _spec(bundle, temperature=1.0, method=method, gamma=2, ngram=1)
   prompts = [[1, 2, 3], [4, 0, 4, 0, 1]]
   samples = draw(bundle, prompts, spec, 6, seed=12)
   for prompt, got in zip(prompts, samples):
-    probs = exact_joint(bundle, prompt, 6, samp)
+    probs = exact_joint(bundle, prompt, 6, spec.sampling)
     tail = probs.sum(axis=(0, 1, 2))  # joint of tokens 4, 5, 6
     p_value = chi_square_p(got[:, 3:], tail)
     assert p_value > ALPHA, f"prompt {prompt}: tokens 4-6 chi-square p = {p_value:.2e}"

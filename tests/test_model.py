@@ -8,6 +8,7 @@ agree to 1e-4. Layer-level checks compare each Flax module with its HF twin.
 
 import copy
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,9 +17,11 @@ import torch
 from transformers.models.qwen2 import modeling_qwen2
 
 import convert
+from convert import config as config_lib
+from flax import nnx
 from jspec import cache as cache_lib
-from jspec import config as config_lib
 from jspec import model as model_lib
+from jspec import weights
 
 T = 301  # prompt length: positions up to 300 (prime)
 
@@ -33,16 +36,18 @@ def _hf_logits(model, tokens):
 
 
 def _jspec_logits(cfg, params, tokens):
-  cache = cache_lib.init(cfg, tokens.shape[0], tokens.shape[1],
-                         params["embed_tokens"]["embedding"].dtype)
-  logits, cache = model_lib.forward(params, cfg, jnp.asarray(tokens), cache)
+  dtype = params["embed"]["table"].t.dtype
+  cache = cache_lib.init(cfg, tokens.shape[0], tokens.shape[1], dtype)
+  arch = model_lib.Arch(cfg, model_lib.Backend(dtype=jnp.dtype(dtype).name))
+  logits, cache = model_lib.forward(arch, params, jnp.asarray(tokens), cache)
   assert list(np.asarray(cache.lengths)) == [tokens.shape[1]] * tokens.shape[0]
   return np.asarray(logits)
 
 
 def _converted(model, tmp_path, dtype="float32", **save_kwargs):
   model.save_pretrained(tmp_path, safe_serialization=True, **save_kwargs)
-  return convert.load_checkpoint(tmp_path, dtype=dtype)
+  cfg, tensors = convert.load_checkpoint(tmp_path, dtype=dtype)
+  return cfg, model_lib.params_from_tensors(cfg, tensors)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -55,10 +60,10 @@ def test_logits_match_transformers(make_hf_model, tmp_path, overrides):
   hf = make_hf_model(**overrides)
   cfg, params = _converted(hf, tmp_path)
   assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings
-  assert ("lm_head" in params) != cfg.tie_word_embeddings
-  shapes = jax.tree.map(lambda x: x.shape, params)
-  want = jax.tree.map(lambda x: x.shape, model_lib.init_params(cfg, jax.random.key(0)))
-  assert shapes == want
+  assert ("head" in params) != cfg.tie_word_embeddings
+  # The checkpoint fills exactly the tree the modules define.
+  chex.assert_trees_all_equal_shapes_and_dtypes(params,
+                                                model_lib.init_params(cfg, jax.random.key(0)))
   tokens = _tokens(cfg.vocab_size)
   ref = _hf_logits(hf, tokens)
   got = _jspec_logits(cfg, params, tokens)
@@ -86,10 +91,9 @@ def test_bf16_checkpoint_loads_exactly(make_hf_model, tmp_path):
   cfg, params = _converted(copy.deepcopy(hf).to(torch.bfloat16), tmp_path, dtype="float32")
   assert (tmp_path / "config.json").read_text().count("bfloat16")
   embed = hf.model.embed_tokens.weight.detach().numpy()
-  np.testing.assert_array_equal(np.asarray(params["embed_tokens"]["embedding"]), embed)
+  np.testing.assert_array_equal(np.asarray(params["embed"]["table"].t), embed)
   q = hf.model.layers[1].self_attn.q_proj.weight.detach().numpy()
-  np.testing.assert_array_equal(np.asarray(params["layers_1"]["self_attn"]["q_proj"]["kernel"]),
-                                q.T)
+  np.testing.assert_array_equal(np.asarray(params["layers"]["1"]["attn"]["q"]["w"].w), q.T)
   tokens = _tokens(cfg.vocab_size, batch=1, length=53)
   np.testing.assert_allclose(_jspec_logits(cfg, params, tokens), _hf_logits(hf, tokens),
                              atol=1e-4, rtol=1e-4)
@@ -99,9 +103,9 @@ def test_bf16_checkpoint_loads_exactly(make_hf_model, tmp_path):
 def test_low_precision_params_close_to_fp32(make_hf_model, tmp_path, dtype):
   hf = make_hf_model(seed=3)
   hf.save_pretrained(tmp_path, safe_serialization=True)
-  cfg, params32 = convert.load_checkpoint(tmp_path, dtype="float32")
-  _, params = convert.load_checkpoint(tmp_path, dtype=dtype)
-  assert params["layers_0"]["mlp"]["up_proj"]["kernel"].dtype == jnp.dtype(dtype)
+  cfg, params32 = _converted(hf, tmp_path, dtype="float32")
+  _, params = _converted(hf, tmp_path, dtype=dtype)
+  assert params["layers"]["0"]["mlp"]["up"]["w"].w.dtype == jnp.dtype(dtype)
   tokens = _tokens(cfg.vocab_size, batch=1, length=61)
   ref = _jspec_logits(cfg, params32, tokens)
   got = _jspec_logits(cfg, params, tokens)
@@ -120,11 +124,13 @@ def _np(t):
   return t.detach().float().numpy()
 
 
-def _dense(linear):
-  out = {"kernel": _np(linear.weight).T}
-  if linear.bias is not None:
-    out["bias"] = _np(linear.bias)
-  return out
+def _linear(linear):
+  bias = None if linear.bias is None else jnp.asarray(_np(linear.bias))
+  return model_lib.Linear(weights.Dense(jnp.asarray(_np(linear.weight).T)), bias)
+
+
+def _random(cfg):
+  return model_lib.RandomInit(nnx.Rngs(0), jnp.float32, 0.02)
 
 
 def test_rmsnorm_matches(make_hf_model):
@@ -133,8 +139,7 @@ def test_rmsnorm_matches(make_hf_model):
   x = np.random.default_rng(0).normal(size=(2, 7, 58)).astype(np.float32) * 3
   with torch.no_grad():
     ref = _np(norm(torch.from_numpy(x)))
-  got = model_lib.RMSNorm(hf.config.rms_norm_eps).apply(
-      {"params": {"weight": _np(norm.weight)}}, jnp.asarray(x))
+  got = model_lib.RMSNorm(jnp.asarray(_np(norm.weight)), hf.config.rms_norm_eps)(jnp.asarray(x))
   np.testing.assert_allclose(np.asarray(got), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -170,11 +175,12 @@ def test_attention_matches(make_hf_model, kv_heads):
   with torch.no_grad():
     cos_sin = hf.model.rotary_emb(torch.from_numpy(x), torch.from_numpy(positions).long())
     ref, _ = attn(torch.from_numpy(x), cos_sin, mask)
-  params = {name: _dense(getattr(attn, name)) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+  module = model_lib.Attention(cfg, _random(cfg))
+  for name in ("q", "k", "v", "o"):
+    setattr(module, name, _linear(getattr(attn, f"{name}_proj")))
   cache = cache_lib.init(cfg, 2, t + 5)
-  got, k_buf, _ = model_lib.Attention(cfg, jnp.float32).apply(
-      {"params": params}, jnp.asarray(x), jnp.asarray(positions, jnp.int32), cache.k, cache.v, 0,
-      jnp.zeros((2,), jnp.int32))
+  got, k_buf, _ = module(jnp.asarray(x), jnp.asarray(positions, jnp.int32), cache.k, cache.v, 0,
+                         jnp.zeros((2,), jnp.int32))
   np.testing.assert_allclose(np.asarray(got), _np(ref), atol=1e-5, rtol=1e-4)
   assert np.abs(np.asarray(k_buf[0, :, :t])).sum() > 0  # keys were written to the cache
 
@@ -187,18 +193,26 @@ def test_mlp_matches(make_hf_model):
   x = np.random.default_rng(3).normal(size=(2, 11, cfg.hidden_size)).astype(np.float32)
   with torch.no_grad():
     ref = _np(mlp(torch.from_numpy(x)))
-  params = {name: _dense(getattr(mlp, name)) for name in ("gate_proj", "up_proj", "down_proj")}
-  got = model_lib.MLP(cfg, jnp.float32).apply({"params": params}, jnp.asarray(x))
+  module = model_lib.MLP(cfg, _random(cfg))
+  for name in ("gate", "up", "down"):
+    setattr(module, name, _linear(getattr(mlp, f"{name}_proj")))
+  got = module(jnp.asarray(x))
   np.testing.assert_allclose(np.asarray(got), ref, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("key", ["kernel", "weight"])
-def test_a_stored_param_of_the_wrong_shape_is_named(key):
-  # model._param skips flax's own check (it re-traces the initializer on
-  # every call), so it must check the shape itself.
-  good = {"kernel": jnp.zeros((7, 5)), "weight": jnp.zeros((5, 7))}[key]
-  layer = model_lib.Linear(features=5, use_bias=False, dtype=jnp.float32)
-  x = jnp.ones((2, 7))
-  assert layer.apply({"params": {key: good}}, x).shape == (2, 5)
-  with pytest.raises(ValueError, match=rf"{key} has shape \(5, 5\): expected"):
-    layer.apply({"params": {key: jnp.zeros((5, 5))}}, x)
+def test_a_tensor_of_the_wrong_shape_or_name_is_named():
+  cfg = config_lib.Qwen2Config(vocab_size=13, hidden_size=8, intermediate_size=6, num_layers=2,
+                               num_heads=2, num_kv_heads=1, head_dim=4)
+  good = {model_lib.path_name(path): np.asarray(w.w if isinstance(w, weights.Dense) else
+                                                w.t if isinstance(w, weights.Table) else w)
+          for path, w in jax.tree_util.tree_flatten_with_path(
+              model_lib.init_params(cfg, jax.random.key(0)), is_leaf=weights.is_leaf)[0]}
+  assert "layers/1/attn/q/w" in good and good["layers/1/attn/q/w"].shape == (8, 8)
+  model_lib.params_from_tensors(cfg, good)
+  bad = {**good, "layers/1/mlp/up/w": np.zeros((6, 8), np.float32)}  # transposed
+  with pytest.raises(ValueError, match=r"'layers/1/mlp/up/w' has shape \(6, 8\)"):
+    model_lib.params_from_tensors(cfg, bad)
+  with pytest.raises(ValueError, match="missing.*norm/scale"):
+    model_lib.params_from_tensors(cfg, {k: v for k, v in good.items() if k != "norm/scale"})
+  with pytest.raises(ValueError, match="unexpected.*layers/2"):
+    model_lib.params_from_tensors(cfg, {**good, "layers/2/norm/scale": good["norm/scale"]})

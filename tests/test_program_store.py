@@ -14,7 +14,7 @@ import pytest
 
 import jspec
 import tiny
-from jspec import api
+from jspec import programs
 from jspec import cpu_kernels
 from jspec import decode
 from jspec import program_store
@@ -25,9 +25,9 @@ SETTINGS = dict(max_new_tokens=20, method="model", policy="confidence", gamma=4)
 @pytest.fixture
 def store(tmp_path, monkeypatch):
   """An empty store of this test's own, with the XLA cache on as `generate` turns it on."""
-  api.enable_persistent_cache()
+  programs.enable_persistent_cache()
   monkeypatch.setattr(program_store, "store_dir", lambda: tmp_path / "programs")
-  api.release_programs()
+  programs.release()
   return tmp_path / "programs"
 
 
@@ -48,11 +48,11 @@ def test_a_new_process_runs_the_stored_program_without_tracing(store, monkeypatc
   bundle = tiny.pair(5)
   first = jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
   assert sorted(p.name.split("-")[0] for p in store.iterdir()) == ["prefill", "run"]
-  api.release_programs()  # what a new process starts from: nothing compiled, nothing traced
-  stored, traces = api.PROGRAMS.stored, _count_round_traces(monkeypatch)
+  programs.release()  # what a new process starts from: nothing compiled, nothing traced
+  stored, traces = programs.PROGRAMS.stored, _count_round_traces(monkeypatch)
   again = jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
   assert traces == []
-  assert api.PROGRAMS.stored == stored + 2
+  assert programs.PROGRAMS.stored == stored + 2
   assert again.token_ids == first.token_ids
   assert again.stats["rounds"] == first.stats["rounds"]
 
@@ -60,7 +60,7 @@ def test_a_new_process_runs_the_stored_program_without_tracing(store, monkeypatc
 def test_changed_sources_trace_again(store, monkeypatch):
   bundle = tiny.pair(5)
   jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
-  api.release_programs()
+  programs.release()
   # As if a jspec module had been edited: a new key, so the old program is not used.
   monkeypatch.setattr(program_store, "source_digest", lambda: "edited")
   traces = _count_round_traces(monkeypatch)
@@ -74,18 +74,18 @@ def test_an_unreadable_stored_program_is_traced_again_and_replaced(store):
   first = jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
   for path in store.iterdir():
     path.write_bytes(b"not a program")
-  api.release_programs()
+  programs.release()
   with pytest.warns(RuntimeWarning, match="unreadable stored program"):
     again = jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
   assert again.token_ids == first.token_ids
-  api.release_programs()
-  stored = api.PROGRAMS.stored
+  programs.release()
+  stored = programs.PROGRAMS.stored
   jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)  # the rewritten files read back
-  assert api.PROGRAMS.stored == stored + 2
+  assert programs.PROGRAMS.stored == stored + 2
 
 
 def test_the_store_follows_the_xla_cache_switch(monkeypatch):
-  api.enable_persistent_cache()
+  programs.enable_persistent_cache()
   xla_dir = jax.config.jax_compilation_cache_dir
   assert xla_dir  # set, so only the switch can turn the store off below
   monkeypatch.setenv("JSPEC_XLA_CACHE", "1")
@@ -132,11 +132,12 @@ def test_the_key_names_the_cpu_kernels_a_trace_calls(monkeypatch):
 _CHILD = """
 import json, sys
 import jspec, tiny
-from jspec import api, cpu_kernels, layout
+from jspec import cpu_kernels, programs, weights
 bundle = tiny.packable_pair(5)
 out = jspec.generate(bundle, [3, 1, 4, 1, 5, 9, 2, 6, 5], **json.loads(sys.argv[1]))
-print(json.dumps({"ids": out.token_ids, "stored": api.PROGRAMS.stored,
-                  "packed": layout.of(bundle.target.params) == "packed",
+up = bundle.target.params["layers"]["0"]["mlp"]["up"]["w"]
+print(json.dumps({"ids": out.token_ids, "stored": programs.PROGRAMS.stored,
+                  "packed": isinstance(up, weights.Panels),
                   "kernel": cpu_kernels.available()}))
 """
 

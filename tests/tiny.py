@@ -6,7 +6,8 @@ import jax
 import numpy as np
 
 import jspec
-from jspec import config as config_lib
+from convert import config as config_lib
+from jspec import bundle as bundle_lib
 from jspec import model
 
 VOCAB = 11
@@ -29,38 +30,49 @@ PACKABLE_DRAFT = config_lib.Qwen2Config(  # tied, like the real drafts: the tabl
     num_kv_heads=1, head_dim=16, rope_theta=1e4, eos_token_ids=(), tie_word_embeddings=True)
 
 
-def packable_pair(seed: int = 0, scale: float = 0.3) -> jspec.Bundle:
-  """A random pair whose target's dense weights and table `jspec.layout` can pack.
+def packable_pair(seed: int = 0, scale: float = 0.3, **settings) -> jspec.Bundle:
+  """A random pair whose matrices and tables the CPU kernels can store in panels.
 
   Args:
     seed: picks the weights.
     scale: weight std.
+    **settings: fields of `jspec.Settings` (kernels, draft_int8, ...).
 
   Returns:
     A tokenizer-less bundle over a `PACKABLE_VOCAB`-token vocabulary.
   """
   kt, kd = jax.random.split(jax.random.key(seed))
-  return jspec.Bundle(
-      jspec.Model(PACKABLE_TARGET, model.init_params(PACKABLE_TARGET, kt, scale=scale)),
-      jspec.Model(PACKABLE_DRAFT, model.init_params(PACKABLE_DRAFT, kd, scale=scale)))
+  return bundle_lib.make((PACKABLE_TARGET, model.init_params(PACKABLE_TARGET, kt, scale=scale)),
+                         (PACKABLE_DRAFT, model.init_params(PACKABLE_DRAFT, kd, scale=scale)),
+                         settings=jspec.Settings(**settings))
 
 
-def pair(seed: int = 0, scale: float = 0.5, vocab: int = VOCAB) -> jspec.Bundle:
+def pair(seed: int = 0, scale: float = 0.5, vocab: int = VOCAB, **settings) -> jspec.Bundle:
   """A random target/draft pair over a `vocab`-token vocabulary.
 
   Args:
     seed: picks the weights.
     scale: weight std; 0.5 gives peaked but not degenerate distributions.
     vocab: vocabulary size.
+    **settings: fields of `jspec.Settings` (kernels, draft_int8, ...).
 
   Returns:
     A tokenizer-less bundle (prompts are token ids).
   """
-  t_cfg = TARGET if vocab == VOCAB else config_lib.Qwen2Config(**{**TARGET.to_dict(), "vocab_size": vocab, "eos_token_ids": ()})
-  d_cfg = DRAFT if vocab == VOCAB else config_lib.Qwen2Config(**{**DRAFT.to_dict(), "vocab_size": vocab, "eos_token_ids": ()})
+  t_cfg, d_cfg = configs(vocab)
   kt, kd = jax.random.split(jax.random.key(seed))
-  return jspec.Bundle(jspec.Model(t_cfg, model.init_params(t_cfg, kt, scale=scale)),
-                      jspec.Model(d_cfg, model.init_params(d_cfg, kd, scale=scale)))
+  return bundle_lib.make((t_cfg, model.init_params(t_cfg, kt, scale=scale)),
+                         (d_cfg, model.init_params(d_cfg, kd, scale=scale)),
+                         settings=jspec.Settings(**settings))
+
+
+def configs(vocab: int = VOCAB) -> tuple[config_lib.Qwen2Config, config_lib.Qwen2Config]:
+  """The tiny target and draft configs over a `vocab`-token vocabulary."""
+  if vocab == VOCAB:
+    return TARGET, DRAFT
+  resize = lambda cfg: config_lib.Qwen2Config(**{**cfg.to_dict(), "vocab_size": vocab,
+                                                 "eos_token_ids": ()})
+  return resize(TARGET), resize(DRAFT)
 
 
 def prompt(seed: int, length: int, vocab: int = VOCAB) -> list[int]:

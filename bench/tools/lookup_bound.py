@@ -1,6 +1,6 @@
 """The most prompt lookup could gain on a bench run's prompts, replayed from its target tokens.
 
-    python -m bench.lookup_bound RESULTS.json [--prompts edit_type_hints] [--gamma 16] [--goal 2.5]
+    python -m bench.tools.lookup_bound RESULTS.json [--prompts edit_type_hints] [--gamma 16] [--goal 2.5]
 
 Greedy prompt lookup is deterministic given the target's output: each round
 drafts what followed the latest earlier occurrence of the longest suffix of
@@ -187,7 +187,7 @@ def bounds(results: dict, prompts: Sequence[str] = (), gamma: int | None = None,
 
 def main(argv=None) -> dict:
   """Prints each prompt's replays and bounds, then the figures as one JSON line."""
-  parser = argparse.ArgumentParser(prog="python -m bench.lookup_bound", description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m bench.tools.lookup_bound", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("results", type=pathlib.Path, help="a results JSON of `python -m bench`")
   parser.add_argument("--prompts", default="", help="comma-separated prompt names (default all)")

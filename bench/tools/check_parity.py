@@ -1,6 +1,6 @@
 """Real-model check: jspec's logits on a GGUF file against transformers' on the same file.
 
-    python -m convert.check_parity --gguf qwen2.5-coder-1.5b.gguf [--prompt-file F] [--out r.json]
+    python -m bench.tools.check_parity --gguf qwen2.5-coder-1.5b.gguf [--prompt-file F] [--out r.json]
 
 transformers runs first, in a child process (`--reference`), and leaves its
 fp32 logits as .npy in a temporary directory; the child exits before jspec
@@ -157,18 +157,20 @@ def run(gguf_path: str, prompt: str, gap: float = 2e-3, tol: float = 2e-3) -> di
     np.save(tmp / "ids.npy", ids)
     (tmp / "prompt.txt").write_text(prompt)
     child = subprocess.run(
-        [sys.executable, "-m", "convert.check_parity", "--reference", str(gguf_path),
+        [sys.executable, "-m", "bench.tools.check_parity", "--reference", str(gguf_path),
          str(tmp / "ids.npy"), str(tmp / "logits.npy"), str(tmp / "prompt.txt")],
         stdout=subprocess.PIPE, check=True, text=True)
     reference = json.loads(child.stdout.strip().splitlines()[-1])
     ref = np.load(tmp / "logits.npy")
 
   start = time.perf_counter()
-  cfg, params = convert.load_checkpoint(gguf_path, dtype="float32")
+  cfg, tensors = convert.load_checkpoint(gguf_path, dtype="float32")
+  params = model_lib.params_from_tensors(cfg, tensors)
+  del tensors
   load_s = time.perf_counter() - start
   start = time.perf_counter()
   cache = cache_lib.init(cfg, 1, len(ids))
-  logits, _ = model_lib.forward(params, cfg, jnp.asarray(ids[None]), cache)
+  logits, _ = model_lib.forward(model_lib.Arch(cfg), params, jnp.asarray(ids[None]), cache)
   got = np.asarray(logits[0])
   forward_s = time.perf_counter() - start
   del params
@@ -205,7 +207,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if argv and argv[0] == "--reference":
     _reference(*argv[1:])
     return 0
-  parser = argparse.ArgumentParser(prog="python -m convert.check_parity", description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m bench.tools.check_parity", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--gguf", required=True, help="qwen2 GGUF file")
   parser.add_argument("--prompt-file", help="prompt text (default: a built-in code prompt)")

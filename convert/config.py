@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 from typing import Any, Mapping
 
@@ -63,12 +64,17 @@ class Qwen2Config:
           f"num_key_value_heads={self.num_kv_heads}")
     if self.head_dim % 2:
       raise ConfigError(f"head_dim={self.head_dim}: RoPE needs an even head dimension")
-    if not self.rope_theta > 0:
-      raise ConfigError(f"rope_theta={self.rope_theta!r}: expected a positive number")
+    if not (isinstance(self.rope_theta, (int, float)) and math.isfinite(self.rope_theta)
+            and self.rope_theta > 0):
+      raise ConfigError(f"rope_theta={self.rope_theta!r}: expected a finite positive number")
+    # eps is added to a mean of squares in float32: it must be a positive float32 number.
+    if not (isinstance(self.rms_norm_eps, (int, float)) and math.isfinite(self.rms_norm_eps)
+            and 0 < self.rms_norm_eps < 1):
+      raise ConfigError(f"rms_norm_eps={self.rms_norm_eps!r}: expected a number in (0, 1)")
 
   @property
-  def num_groups(self) -> int:
-    """Query heads per key/value head (G = N / K)."""
+  def queries_per_kv(self) -> int:
+    """Query heads per key/value head (Q = N / K)."""
     return self.num_heads // self.num_kv_heads
 
   def to_dict(self) -> dict[str, Any]:

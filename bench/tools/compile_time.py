@@ -1,13 +1,14 @@
 """Compile time of the speculative program: a cold process, then a second one with the cache.
 
-    python -m bench.compile_time [--gamma 4] [--policy fixed] [--method model]
+    python -m bench.tools.compile_time [--gamma 4] [--policy fixed] [--method model]
 
 Runs two fresh processes one after the other, both with JAX's persistent
 compilation cache pointed at the same new empty directory. The first traces
 and compiles the prefill and decode-loop programs from nothing; the second
 finds them in the cache (the lowered programs in `jspec.program_store`, the
 executables in XLA's cache). Each reports `compile_s` from `jspec.generate`
-(model loading is timed apart and excluded).
+(model loading is timed apart and excluded). docs/decisions.md, "Program
+store", cites the figures.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import os
 import subprocess
 import sys
 import tempfile
+
+from jspec import options
 
 _CHILD = """
 import json, sys, time
@@ -39,13 +42,19 @@ def main(argv=None) -> int:
   Returns:
     0 on success, 1 if a child process failed.
   """
-  parser = argparse.ArgumentParser(prog="python -m bench.compile_time", description=__doc__)
+  parser = argparse.ArgumentParser(prog="python -m bench.tools.compile_time",
+                                   description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--gamma", type=int, default=4)
-  parser.add_argument("--policy", default="fixed")
-  parser.add_argument("--method", default="model",
-                      choices=("model", "prompt_lookup", "lookup_model", "target"),
+  parser.add_argument("--policy", default="fixed", choices=options.POLICIES,
+                      help="jspec.generate's policy (default fixed)")
+  parser.add_argument("--method", default="model", choices=options.METHODS,
                       help="jspec.generate's method (default model)")
   args = parser.parse_args(argv)
+  try:
+    options.Options(gamma=args.gamma, policy=args.policy, method=args.method)
+  except ValueError as e:
+    parser.error(str(e))
   kwargs = json.dumps({"gamma": args.gamma, "policy": args.policy, "method": args.method})
   results = {}
   with tempfile.TemporaryDirectory(prefix="jspec-xla-") as xla_dir:

@@ -1,12 +1,14 @@
 """How should the layers run on XLA CPU? A Python loop vs `lax.scan` over stacked params.
 
-    python -m bench.layer_loop [--layers 28] [--reps 5]
+    python -m bench.tools.layer_loop [--layers 28] [--reps 5]
 
 Times one T=1 decode step of the real target's weight matrices (random
 values, Qwen2.5-Coder-1.5B shapes, fp32) both ways, inside a `while_loop`
 as the decoder runs them, and reports ms/step, achieved GB/s and compile
-time. `jspec.model` uses the Python loop because of this measurement (see
-README, "Design measurements").
+time. Because of this measurement `jspec.model` never stacks the layers'
+weights: a scan over stacked weights slices (copies) each layer's every
+step. Its own loop over kernel-stored layers picks each layer's buffers in
+place (`jspec.weights.pick`) instead (docs/decisions.md, "Layer loop").
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def main(argv=None) -> int:
   Returns:
     Exit status 0.
   """
-  parser = argparse.ArgumentParser(prog="python -m bench.layer_loop", description=__doc__)
+  parser = argparse.ArgumentParser(prog="python -m bench.tools.layer_loop", description=__doc__)
   parser.add_argument("--layers", type=int, default=28)
   parser.add_argument("--steps", type=int, default=8)
   parser.add_argument("--reps", type=int, default=5)

@@ -1,25 +1,28 @@
 """Two builds of jspec's fp32 (or int8) kernel, timed call by call on the real model's matrices.
 
-    python -m bench.kernel_ab --base REV [--m 1,3,9,17,33,320] [--reps 10] [--int8]
+    python -m bench.tools.kernel_ab --base REV [--m 1,3,9,17,33,320] [--reps 10] [--int8]
 
 Builds `jspec/cpu_kernels.cc` as it is at git revision REV and as it is in
 the working tree (the compiler and flags of `jspec.cpu_kernels`), registers
 both, and times `jspec_gemm_f32` at each M (rows: 1 a decode step, gamma + 1
 a verify, a prompt's length a prefill) on each weight matrix of one layer
-of the 1.5B target and on its output head, in panels as `generate` holds
-them. The two builds alternate rep by rep over the same arrays, in turn
-first, so a noisy shared machine slows both alike.
+of the 1.5B target and on its output head, in panels as `jspec.load`
+stores them (`jspec.weights.Panels`). The two builds alternate rep by rep
+over the same arrays, in turn first, so a noisy shared machine slows both
+alike.
 
 Per M it prints each build's median ms for the products of one forward (28
 times the layer's matrices, plus the head), their GFLOPS, the median of the
 paired ratios (working tree / base: below 1 is faster), and whether both
 builds' outputs were bit for bit the same. Attention, norms and the rest of
-a forward are not in it: `bench.forward_cost` times whole forwards.
+a forward are not in it: `bench.tools.forward_cost` times whole forwards.
 
 With --int8 it times the host's int8 kernel (`cpu_kernels.int8_kind`:
 `jspec_gemm_s8` on AVX2, `jspec_gemm_i8` with VNNI) on the int8 draft's
-matrices instead: the 0.5B's layers and its untied head, as `quant.pack`
-holds them, with int8 activations (GOPS: two per multiply-add).
+matrices instead: the 0.5B's layers and its untied head, as the int8 draft
+stores them (`jspec.weights.Int8Panels`), with int8 activations (GOPS: two
+per multiply-add). docs/decisions.md, "Kernels" and "Int8 draft", cites
+the figures.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """How close a target-only step is to the memory roof, and where the rest goes.
 
-    python -m bench.roofline [--reps 12] [--gib 1] [--slots 512] [--filled 200]
+    python -m bench.tools.roofline [--reps 12] [--gib 1] [--slots 512] [--filled 200]
 
 The bench's roofline fraction divides a decode's median weight-read rate by
 the best of several reads of 1 GiB (`bench.memory`). This tool times, in
@@ -8,11 +8,13 @@ one process and alternating rep by rep so that a noisy shared machine slows
 all alike:
 
   forward   one T=1 step of the 1.5B target (random weights of the real
-            shapes, fp32, packed for jspec's CPU kernel as `generate` holds
-            them on CPU; the layers as one loop), on a cache of --slots
-            slots holding --filled tokens;
+            shapes, fp32, stored for jspec's CPU kernels as `jspec.load`
+            stores them on CPU; the layers as one loop), on a cache of
+            --slots slots holding --filled tokens, reading the whole float
+            head (a verify's; not the greedy head of a target-only step);
   forward_xla_attention  the same step with XLA's attention in the loop
-            instead of jspec's attention kernel (JSPEC_FUSED_ATTENTION=0);
+            instead of jspec's attention kernel
+            (`jspec.Settings(fused_attention=False)`);
   products  only that step's matrix products (each layer's q, k, v, o,
             gate, up and down, then the head), chained as in the forward;
   xla_matvec  XLA's matrix-vector product over --gib GiB stored [rows, K]
@@ -25,11 +27,13 @@ then the forward's median against the XLA matvec's median and best, and
 against the forward with XLA's attention. The gap between forward and
 products is the rest of a step (attention, norms, the loop); the gap
 between the kernel and XLA on one big matrix is the kernel's own.
+docs/decisions.md cites the figures ("Kernels", "Attention kernel").
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -37,52 +41,64 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jspec
 from bench import memory
 from bench import shapes
+from jspec import bundle as bundle_lib
 from jspec import cache as cache_lib
 from jspec import cpu_kernels
-from jspec import layout
 from jspec import model
+from jspec import weights
 
 
 def _products(cfg):
   """The products of one T=1 forward, chained: x [1, D] -> logits [1, V]."""
 
   def run(params, x):
-    for i in range(cfg.num_layers):
-      attn, mlp = params[f"layers_{i}"]["self_attn"], params[f"layers_{i}"]["mlp"]
-      q = cpu_kernels.matmul(x, attn["q_proj"]["panels"])  # [1, Nq]
-      k = cpu_kernels.matmul(x, attn["k_proj"]["panels"])  # [1, Nkv]
-      v = cpu_kernels.matmul(x, attn["v_proj"]["panels"])
-      h = cpu_kernels.matmul(q + jnp.sum(k) + jnp.sum(v), attn["o_proj"]["panels"])  # [1, D]
-      gate = cpu_kernels.matmul(h, mlp["gate_proj"]["panels"])  # [1, F]
-      up = cpu_kernels.matmul(h, mlp["up_proj"]["panels"])
-      x = x + 1e-3 * cpu_kernels.matmul(gate * up, mlp["down_proj"]["panels"])
-    head = params["lm_head_panels"] if "lm_head_panels" in params else params["embed_tokens"]["panels"]
-    return cpu_kernels.matmul(x, head)  # [V/32, D, 32]: untied, or the tied table
+    module = model.merge(cfg, params)
+    for block in module.layers:
+      attn, mlp = block.attn, block.mlp
+      q = weights.dot(x, attn.q.w.get_value())  # [1, Nq]
+      k = weights.dot(x, attn.k.w.get_value())  # [1, Nkv]
+      v = weights.dot(x, attn.v.w.get_value())
+      h = weights.dot(q + jnp.sum(k) + jnp.sum(v), attn.o.w.get_value())  # [1, D]
+      gate = weights.dot(h, mlp.gate.w.get_value())  # [1, F]
+      up = weights.dot(h, mlp.up.w.get_value())
+      x = x + 1e-3 * weights.dot(gate * up, mlp.down.w.get_value())
+    return weights.dot(x, model.head_of(module))  # [1, V]: untied, or the tied table
 
   return jax.jit(run)
 
 
-def _forward(cfg, params, token, cache, fused: bool):
-  """One T=1 forward compiled with or without jspec's attention kernel (read at trace time)."""
-  saved = model.FUSED_ATTENTION
-  model.FUSED_ATTENTION = fused
-  try:
-    return jax.jit(lambda p, x, c: model.forward(p, cfg, x, c)[0]).lower(
-        params, token, cache).compile()
-  finally:
-    model.FUSED_ATTENTION = saved
+def _forward(target: jspec.Model, token, cache, fused: bool):
+  """One T=1 forward compiled with or without jspec's attention kernel.
+
+  Args:
+    target: the prepared target.
+    token: [1, 1] int32.
+    cache: its KV cache.
+    fused: attend with jspec's kernel (`model.Backend.fused_attention`).
+
+  Returns:
+    The compiled forward, (params, token, cache) -> logits.
+  """
+  arch = model.Arch(target.cfg, dataclasses.replace(target.backend, fused_attention=fused))
+  return jax.jit(lambda p, x, c: model.forward(arch, p, x, c)[0]).lower(
+      target.params, token, cache).compile()
 
 
 def _cases(cfg, gib: float, slots: int, filled: int) -> tuple[dict, dict]:
   """{name: zero-argument timed call} and {name: weight bytes it reads}."""
-  params = layout.convert(model.init_params(cfg, jax.random.key(0)), "packed")
-  weight_bytes = memory.forward_bytes(params, cfg.tie_word_embeddings)  # what `bench` counts
-  cache = cache_lib.with_lengths(cache_lib.init(cfg, 1, slots), jnp.array([filled], jnp.int32))
+  # The forwards read the float head: the target needs no greedy head.
+  target = bundle_lib.prepare(cfg, model.init_params(cfg, jax.random.key(0)), "target",
+                              jspec.Settings(kernels=True, greedy_head=False), consume=True)
+  params = target.params
+  weight_bytes = memory.forward_bytes(cfg, params)  # what `bench` counts
+  cache = cache_lib.with_lengths(cache_lib.init(cfg, 1, slots, target.backend.dtype),
+                                 jnp.array([filled], jnp.int32))
   token = jnp.ones((1, 1), jnp.int32)
-  forward = _forward(cfg, params, token, cache, fused=True)
-  forward_xla = _forward(cfg, params, token, cache, fused=False)
+  forward = _forward(target, token, cache, fused=True)
+  forward_xla = _forward(target, token, cache, fused=False)
   products = _products(cfg)
   x = jnp.ones((1, cfg.hidden_size), jnp.float32)
 
@@ -117,7 +133,7 @@ def main(argv=None) -> dict:
     {"median", "best"}, "forward_vs_xla_attention": the forward's median time over
     forward_xla_attention's}.
   """
-  parser = argparse.ArgumentParser(prog="python -m bench.roofline", description=__doc__)
+  parser = argparse.ArgumentParser(prog="python -m bench.tools.roofline", description=__doc__)
   parser.add_argument("--reps", type=int, default=12, help="timed calls of each (default 12)")
   parser.add_argument("--gib", type=float, default=1.0,
                       help="size of the matrix-vector products' matrix in GiB (default 1)")

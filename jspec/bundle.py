@@ -1,0 +1,223 @@
+"""A model pair ready to generate: configs, backends and weights in their stored forms, decided once.
+
+`prepare` decides how each matrix is stored (`jspec.weights`) from the
+device and the settings: on CPU with jspec's kernels built, float32
+matrices go into kernel panels and the target gets its greedy head
+(`jspec.greedy_head`); the draft runs in int8 on CPU. Nothing changes a
+prepared bundle afterwards: `generate` only reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from convert import config as config_lib
+from jspec import cpu_kernels
+from jspec import greedy_head
+from jspec import model
+from jspec import weights
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """How models are prepared; fixed at load (`jspec.load`) and then part of every program key.
+
+  Attributes:
+    kernels: run jspec's CPU kernels (`jspec.cpu_kernels`). None: on CPU
+      wherever they build.
+    draft_int8: store the draft's matrices in int8 (a cheaper proposer;
+      the output stays the target's). None: on CPU.
+    greedy_head: give a float32 kernel-stored target the int8 copy of its
+      head that greedy steps read (`jspec.greedy_head`).
+    fused_attention: with the kernels, attend over the caches in place
+      (`jspec.cpu_attention`).
+    scan_layers: with the kernels, run the layers as one loop (one layer
+      compiled per forward, not L).
+  """
+
+  kernels: Optional[bool] = None
+  draft_int8: Optional[bool] = None
+  greedy_head: bool = True
+  fused_attention: bool = True
+  scan_layers: bool = True
+
+  def __post_init__(self):
+    for name in ("kernels", "draft_int8"):
+      if getattr(self, name) not in (None, True, False):
+        raise ValueError(f"{name}={getattr(self, name)!r}: expected True, False or None "
+                         "(the device's default)")
+    for name in ("greedy_head", "fused_attention", "scan_layers"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """One prepared model.
+
+  Attributes:
+    cfg: its config.
+    params: its params tree (`jspec.model`), matrices in their stored forms.
+    backend: how it runs (`model.Backend`).
+  """
+
+  cfg: config_lib.Qwen2Config
+  params: Any
+  backend: model.Backend = model.Backend()
+
+  @property
+  def arch(self) -> model.Arch:
+    """The static part (config and backend) that programs are compiled for."""
+    return model.Arch(self.cfg, self.backend)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bundle:
+  """What `jspec.load` returns and `generate` takes: target, optional draft, tokenizer.
+
+  Attributes:
+    target: the model whose distribution is sampled.
+    draft: the small draft model, or None (prompt lookup and target-only still work).
+    tokenizer: text <-> ids (a `jspec.tokenizer.Tokenizer`), or None for id-only use.
+    vocab_limit: ids at or past this are embedding padding, never sampled
+      (`check_pair`); None when target and draft use every row.
+  """
+
+  target: Model
+  draft: Optional[Model] = None
+  tokenizer: Any = None
+  vocab_limit: Optional[int] = None
+
+  def __post_init__(self):
+    if self.draft is not None and self.vocab_limit is None:
+      object.__setattr__(self, "vocab_limit",
+                         check_pair(self.target.cfg, self.draft.cfg, self.tokenizer))
+
+
+def platform_of(params: Any) -> str:
+  """The platform ("cpu", "gpu", ...) params live on; numpy arrays run on the default one."""
+  for leaf in jax.tree.leaves(params):
+    if isinstance(leaf, jax.Array):
+      return next(iter(leaf.devices())).platform
+  return jax.default_backend()
+
+
+def _convert_leaves(params: dict, convert_leaf, consume: bool) -> dict:
+  """A copy of a params tree with every weight leaf converted, one at a time.
+
+  With `consume`, each source leaf leaves `params` as soon as its
+  replacement exists, so memory grows by one matrix, not by the model.
+  """
+  out = {}
+  for key in list(params):
+    value = params[key]
+    if isinstance(value, dict):
+      out[key] = _convert_leaves(value, convert_leaf, consume)
+    elif weights.is_leaf(value):
+      out[key] = convert_leaf(value)
+    else:
+      out[key] = jnp.asarray(value) if value is not None else None
+    if consume:
+      del params[key]
+  return out
+
+
+def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
+            settings: Settings = Settings(), consume: bool = False) -> Model:
+  """Stores a model's matrices the way its role and device run them fastest.
+
+  Args:
+    cfg: the model's config.
+    params: its params tree with float matrices (`model.init_params`, or
+      a loaded checkpoint).
+    role: "target" or "draft" (only a draft may be int8: its output is
+      exact either way; only a target gets a greedy head).
+    settings: the load-time choices.
+    consume: empty `params` as it goes (loading: peak memory is then the
+      model plus one matrix); otherwise it is left as it was.
+
+  Returns:
+    The prepared `Model`.
+
+  Raises:
+    ValueError: an unknown role, or kernels asked for where they cannot run.
+  """
+  if role not in ("target", "draft"):
+    raise ValueError(f"role={role!r}: expected 'target' or 'draft'")
+  where = platform_of(params)
+  kernels = settings.kernels
+  if kernels is None:
+    kernels = where == "cpu" and cpu_kernels.available()
+  elif kernels and not (where == "cpu" and cpu_kernels.available()):
+    raise ValueError("kernels=True, but jspec's CPU kernels cannot run here: "
+                     + (cpu_kernels.unavailable_reason() or f"the params are on {where}"))
+  int8 = role == "draft" and (settings.draft_int8 if settings.draft_int8 is not None
+                              else where == "cpu")
+  dtype = weights.compute_dtype(model.head_of(model.merge(cfg, params)))
+  if int8:
+    packed = kernels and cpu_kernels.int8_available()
+    convert_leaf = lambda w: weights.to_int8(w, panels=packed)
+    dtype = jnp.dtype(jnp.float32)
+  elif kernels and dtype == jnp.float32:
+    convert_leaf = weights.to_panels
+  else:
+    convert_leaf = weights.to_float
+  module = model.merge(cfg, _convert_leaves(params, convert_leaf, consume))
+  head = model.head_of(module)
+  if role == "target" and kernels and settings.greedy_head and greedy_head.suits(head):
+    module.greedy_head.set_value(greedy_head.make(head.p))
+  prepared = model.params_of(module)
+  backend = model.Backend(kernels=kernels, fused_attention=settings.fused_attention,
+                          scan_layers=settings.scan_layers, dtype=dtype.name)
+  return Model(cfg, prepared, backend)
+
+
+def make(target: tuple[config_lib.Qwen2Config, dict],
+         draft: Optional[tuple[config_lib.Qwen2Config, dict]] = None, tokenizer: Any = None,
+         settings: Settings = Settings()) -> Bundle:
+  """A bundle from (config, params) pairs, prepared as `jspec.load` would (tests and tools).
+
+  Args:
+    target: (config, float params) of the target.
+    draft: the same for the draft, or None.
+    tokenizer: optional tokenizer.
+    settings: the load-time choices.
+
+  Returns:
+    The `Bundle`; the given params are left as they were.
+  """
+  t = prepare(*target, role="target", settings=settings)
+  d = prepare(*draft, role="draft", settings=settings) if draft is not None else None
+  return Bundle(t, d, tokenizer)
+
+
+def check_pair(target: config_lib.Qwen2Config, draft: config_lib.Qwen2Config,
+               tokenizer: Any = None) -> Optional[int]:
+  """Checks that a draft can speak for a target: same vocabulary, maybe padded.
+
+  Args:
+    target: target config.
+    draft: draft config.
+    tokenizer: the shared tokenizer, if any (its size is the real vocabulary).
+
+  Returns:
+    The number of real tokens when one table is padded past it (those
+    padding rows are then masked out of both p and q), else None.
+
+  Raises:
+    ValueError: the vocabularies differ beyond padding.
+  """
+  real = getattr(tokenizer, "vocab_size", None)
+  if target.vocab_size == draft.vocab_size and (real is None or real >= target.vocab_size):
+    return None
+  shared = min(target.vocab_size, draft.vocab_size)
+  if real is None or real > shared:
+    raise ValueError(
+        f"draft vocabulary ({draft.vocab_size} rows) does not match the target's "
+        f"({target.vocab_size} rows)" + (f" for a tokenizer of {real} tokens" if real else "")
+        + "; a draft must share the target's tokenizer")
+  return real

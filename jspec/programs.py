@@ -1,0 +1,99 @@
+"""The compiled programs of a process: each (spec, shapes) is compiled once and kept.
+
+A generation is two programs, `decode.prefill` and `decode.run`. They are
+compiled per `decode.Spec.program()` and argument shapes, kept here for the
+process, and kept on disk between processes twice over: JAX's persistent
+compilation cache holds the executables, and `jspec.program_store` the
+traced programs, so a second process neither traces nor compiles.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import jax
+
+from jspec import decode
+from jspec import fetch
+from jspec import program_store
+
+
+def enable_persistent_cache() -> None:
+  """Points JAX's persistent compilation cache at `<jspec cache>/xla` (once).
+
+  A second process then loads the compiled programs instead of compiling
+  them again. A cache directory the user configured already is left alone;
+  JSPEC_XLA_CACHE=0 turns this off.
+  """
+  if not program_store.caching_on() or jax.config.jax_compilation_cache_dir:
+    return
+  jax.config.update("jax_compilation_cache_dir", str(fetch.cache_dir() / "xla"))
+  # The tiny programs of tests compile in well under a second; cache what matters.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+class Programs:
+  """Compiled executables keyed by name, static settings and argument shapes (compile once).
+
+  Attributes:
+    compiles: how many programs this process compiled (tests read it).
+    stored: how many of those it lowered from `program_store` instead of tracing.
+  """
+
+  def __init__(self):
+    self.cache: dict[Any, Any] = {}
+    self.jitted: list[Any] = []  # the jitted callables behind them, whose caches hold them too
+    self.compiles = 0
+    self.stored = 0
+
+  def get(self, name: str, fn: Callable, args: tuple, static: dict,
+          donate_argnums: tuple[int, ...] = ()) -> tuple[Any, float]:
+    """The compiled `fn(*args, **static)`, compiling it on first use.
+
+    Args:
+      name: the program's name ("prefill", "run").
+      fn: a `jax.jit`-wrapped function.
+      args: its positional arguments (arrays or `jax.ShapeDtypeStruct`s).
+      static: its static keyword arguments.
+      donate_argnums: positions of `args` whose buffers the program may reuse.
+
+    Returns:
+      (executable, seconds spent compiling it now: 0 when it was ready).
+    """
+    shapes = jax.tree.map(lambda x: (x.shape, x.dtype) if hasattr(x, "shape") else x, args)
+    key = (name, tuple(sorted(static.items())), str(shapes))
+    if key in self.cache:
+      return self.cache[key], 0.0
+    enable_persistent_cache()
+    t0 = time.perf_counter()
+    lowered, jitted, stored = program_store.lower(name, fn, args, static, donate_argnums)
+    self.cache[key] = lowered.compile()
+    self.jitted.append(jitted)
+    self.compiles += 1
+    self.stored += stored
+    return self.cache[key], time.perf_counter() - t0
+
+  def clear(self) -> None:
+    """Drops every compiled program here and in JAX's caches, so that its memory is freed.
+
+    JAX's caches of the jitted functions (trace -> HLO -> executable) keep
+    each executable alive as well: emptying `self.cache` alone frees nothing.
+    """
+    self.cache.clear()
+    for jitted in self.jitted + [decode.prefill, decode.run]:
+      jitted.clear_cache()
+    self.jitted.clear()
+
+
+PROGRAMS = Programs()
+
+
+def release() -> None:
+  """Frees every compiled program; a later `generate` compiles again (or loads the persistent cache).
+
+  A process that goes through many settings or prompt-length buckets piles
+  up compiled programs (each holds its executable's memory) unless it
+  releases the ones it is done with.
+  """
+  PROGRAMS.clear()

@@ -1,0 +1,319 @@
+"""Typed weight leaves: how each matrix is stored, and the one multiply that dispatches on it.
+
+A model's params are a pytree whose matrices are these leaves (norm scales
+and biases stay plain arrays). Which leaf a matrix becomes is decided once,
+when a model is prepared (`jspec.bundle.prepare`), from the checkpoint and
+the backend; model code calls `dot` and `lookup` and never looks at names.
+Adding a storage format means adding one leaf type here and its branch in
+`dot` (and `lookup` if it can hold a token table).
+
+Every leaf is a matrix W of logical shape [I, O] (inputs, outputs):
+`dot(x, w)` is x @ W, and `lookup(w, ids)` is rows of W.T, which is how a
+token table [V, D] (the embedding, and the head that is its transpose)
+is read. Stored forms:
+
+  Dense       [I, O] float: XLA's dot (GPUs, and CPUs without jspec's kernels)
+  Table       [O, I] float: a token table read by rows (embedding, head)
+  Panels      [O/32, I, 32] float: jspec's CPU kernel (`jspec.cpu_kernels`)
+  Int8        [O, I] int8 and a scale per output: the int8 draft, XLA's dot
+  Int8Panels  the same as the int8 kernel's panels, with row sums
+
+Axis letters in shape comments: I inputs, O outputs, V vocabulary, D width.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec import cpu_kernels
+
+PANEL = cpu_kernels.PANEL
+
+
+@flax.struct.dataclass
+class Dense:
+  """A float matrix stored [I, O], multiplied by XLA's dot."""
+
+  w: jax.Array  # [I, O]
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return tuple(self.w.shape)
+
+
+@flax.struct.dataclass
+class Table:
+  """A float matrix stored [O, I]: a token table (embedding or head), read by rows."""
+
+  t: jax.Array  # [O, I]
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return (self.t.shape[1], self.t.shape[0])
+
+
+@flax.struct.dataclass
+class Panels:
+  """A float matrix stored as jspec's kernel panels: [O/32, I, 32], each panel contiguous."""
+
+  p: Any  # [O/32, I, 32], or a `cpu_kernels.LayerPick` of such inside the layer loop
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    n, i, width = self.p.shape
+    return (i, n * width)
+
+
+@flax.struct.dataclass
+class Int8:
+  """An int8 matrix stored [O, I] with one float32 scale per output (the int8 draft)."""
+
+  q: jax.Array  # [O, I] int8
+  scale: jax.Array  # [O] float32
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return (self.q.shape[1], self.q.shape[0])
+
+
+@flax.struct.dataclass
+class Int8Panels:
+  """`Int8` stored for jspec's int8 kernel (`cpu_kernels.pack_int8`)."""
+
+  panels: Any  # [O/32, ceil(I/4), 32, 4] int8 (or a `cpu_kernels.LayerPick`)
+  sums: jax.Array  # [O] int32, each output's sum of q
+  scale: jax.Array  # [O] float32
+  inputs: int = flax.struct.field(pytree_node=False, default=0)  # I (panels pad it to 4)
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return (self.inputs, self.sums.shape[0])
+
+
+Leaf = Union[Dense, Table, Panels, Int8, Int8Panels]
+LEAVES = (Dense, Table, Panels, Int8, Int8Panels)
+KERNEL_LEAVES = (Panels, Int8Panels)  # leaves the kernels read in place inside the layer loop
+
+
+def is_leaf(x: Any) -> bool:
+  """Whether `x` is a weight leaf (for `jax.tree.map(..., is_leaf=is_leaf)`)."""
+  return isinstance(x, LEAVES)
+
+
+def dot(x: jax.Array, w: Leaf, out_dtype=None) -> jax.Array:
+  """x @ W for any stored form of W.
+
+  Args:
+    x: [..., I] activations.
+    w: a weight leaf of logical shape [I, O].
+    out_dtype: accumulate and return in this dtype (the head's float32
+      logits of a bfloat16 model); None: x's dtype.
+
+  Returns:
+    [..., O]: float32 for the int8 forms (whose activations are
+    quantized per row, W8A8) and the float32 kernel, else `out_dtype` or x's dtype.
+  """
+  if isinstance(w, Dense):
+    return jnp.einsum("...i,io->...o", x, w.w, preferred_element_type=out_dtype)
+  if isinstance(w, Table):
+    return jnp.einsum("...i,oi->...o", x, w.t, preferred_element_type=out_dtype)
+  if isinstance(w, Panels):
+    return cpu_kernels.matmul(x, w.p)
+  if isinstance(w, (Int8, Int8Panels)):
+    return _dot_int8(x, w)
+  raise TypeError(f"not a weight leaf: {type(w).__name__}")
+
+
+def lookup(w: Leaf, ids: jax.Array) -> jax.Array:
+  """Rows of W.T: the token embedding of `ids` when W is a token table's head.
+
+  Args:
+    w: a weight leaf of logical shape [D, V] (`Table`, `Panels`, `Int8`, `Int8Panels`).
+    ids: [...] int32 token ids.
+
+  Returns:
+    [..., D]: in W's dtype, float32 for the int8 forms.
+  """
+  if isinstance(w, Table):
+    return w.t[ids]
+  if isinstance(w, Panels):
+    return w.p[ids // PANEL, :, ids % PANEL]
+  if isinstance(w, Int8):
+    return w.q[ids].astype(jnp.float32) * w.scale[ids][..., None]
+  if isinstance(w, Int8Panels):
+    picked = w.panels[ids // PANEL, :, ids % PANEL, :]  # [..., I/4, 4]
+    q = picked.reshape(*ids.shape, -1)[..., :w.inputs]
+    return q.astype(jnp.float32) * w.scale[ids][..., None]
+  raise TypeError(f"a {type(w).__name__} weight cannot be read by rows")
+
+
+def _dot_int8(x: jax.Array, w: Union[Int8, Int8Panels]) -> jax.Array:
+  """x @ W for int8 W with x quantized per row (symmetric): [..., I] -> [..., O] float32."""
+  lead, i = x.shape[:-1], x.shape[-1]
+  rows = x.reshape(-1, i).astype(jnp.float32)  # [M, I]
+  m = rows.shape[0]
+  packed = isinstance(w, Int8Panels)
+  if m == 1 and not packed:  # XLA CPU's int8 dot runs 10-20x slower for one row than for two
+    rows = jnp.concatenate([rows, rows], axis=0)
+  amax = jnp.max(jnp.abs(rows), axis=1, keepdims=True)  # [M, 1]
+  x_scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+  xq = jnp.clip(jnp.round(rows / x_scale), -127, 127).astype(jnp.int8)
+  if packed:
+    acc = cpu_kernels.matmul_int8(xq, w.panels, w.sums)  # [M, O] int32
+  else:
+    acc = jax.lax.dot_general(xq, w.q, (((1,), (1,)), ((), ())),
+                              preferred_element_type=jnp.int32)  # [M, O]
+  y = acc.astype(jnp.float32) * x_scale * w.scale[None, :]
+  return y[:m].reshape(*lead, y.shape[-1])
+
+
+# Conversions between stored forms. Each is one jitted copy, so converting a
+# model needs room for one more matrix, not for a chain of temporaries.
+
+
+def dense(matrix) -> Dense:
+  """A float [I, O] matrix as a `Dense` leaf on the default device."""
+  return Dense(jnp.asarray(matrix))
+
+
+def table(matrix) -> Table:
+  """A float [V, D] token table as a `Table` leaf on the default device."""
+  return Table(jnp.asarray(matrix))
+
+
+def packable(w: Leaf) -> bool:
+  """Whether the kernels can store W in panels: its outputs are a multiple of 32."""
+  return w.shape[1] % PANEL == 0
+
+
+def to_panels(w: Leaf) -> Leaf:
+  """W stored for jspec's float kernel (`Panels`), or unchanged when it cannot be.
+
+  Args:
+    w: a float `Dense`, `Table` or `Panels` leaf.
+
+  Returns:
+    A `Panels` leaf when W's outputs are a multiple of 32, else `w`.
+  """
+  if isinstance(w, Panels) or not packable(w):
+    return w
+  if isinstance(w, Dense):
+    return Panels(jax.block_until_ready(cpu_kernels.pack(w.w)))
+  if isinstance(w, Table):
+    return Panels(jax.block_until_ready(cpu_kernels.pack_table(w.t)))
+  raise TypeError(f"cannot store a {type(w).__name__} weight in float panels")
+
+
+def to_int8(w: Leaf, panels: bool = False) -> Leaf:
+  """W quantized per output (symmetric int8), optionally stored for the int8 kernel.
+
+  The draft only proposes; rejection sampling keeps the output the
+  target's for any q, so the draft may be quantized and the target may not.
+
+  Args:
+    w: a float leaf.
+    panels: store it as `Int8Panels` when its outputs are a multiple of 32.
+
+  Returns:
+    An `Int8` or `Int8Panels` leaf.
+  """
+  if isinstance(w, Dense):
+    q, scale = _quantize_rows(w.w.T)
+  elif isinstance(w, Table):
+    q, scale = _quantize_rows(w.t)
+  elif isinstance(w, Panels):
+    q, scale = _quantize_rows(cpu_kernels.unpack(w.p).T)
+  else:
+    raise TypeError(f"cannot quantize a {type(w).__name__} weight")
+  q, scale = jax.block_until_ready((q, scale))
+  if panels and q.shape[0] % PANEL == 0:
+    packed, sums = cpu_kernels.pack_int8(q)
+    return Int8Panels(jax.block_until_ready(packed), sums, scale, inputs=q.shape[1])
+  return Int8(q, scale)
+
+
+@jax.jit
+def _quantize_rows(m: jax.Array):  # [O, I] -> ([O, I] int8, [O] float32)
+  m = m.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(m), axis=1)  # [O]
+  scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+  q = jnp.clip(jnp.round(m / scale[:, None]), -127, 127).astype(jnp.int8)
+  return q, scale
+
+
+def to_float(w: Leaf) -> Union[Dense, Table]:
+  """A float leaf's values back in plain form (`Panels` -> `Dense`); others unchanged."""
+  if isinstance(w, Panels):
+    return Dense(jax.block_until_ready(cpu_kernels.unpack(w.p)))
+  return w
+
+
+def matrix(w: Leaf) -> jax.Array:
+  """W as a plain [I, O] array (a copy for packed forms; int8 forms scaled back to float).
+
+  For tests and tools: the decode path never materialises this.
+  """
+  if isinstance(w, Dense):
+    return w.w
+  if isinstance(w, Table):
+    return w.t.T
+  if isinstance(w, Panels):
+    return cpu_kernels.unpack(w.p)
+  if isinstance(w, Int8):
+    return (w.q.astype(jnp.float32) * w.scale[:, None]).T
+  if isinstance(w, Int8Panels):
+    q = cpu_kernels.unpack_int8(w.panels, w.inputs)
+    return (q.astype(jnp.float32) * w.scale[:, None]).T
+  raise TypeError(f"not a weight leaf: {type(w).__name__}")
+
+
+def pick(layers: list, index: jax.Array) -> Any:
+  """Layer `index` of per-layer params, the kernels' weights read where they lie.
+
+  Inside a loop over layers, slicing a stacked [L, ...] weight copies it
+  every step; the kernels instead take every layer's buffer and the index
+  (`cpu_kernels.LayerPick`). Small arrays (norm scales, biases, int8
+  scales) are stacked and indexed: a few KB a layer.
+
+  Args:
+    layers: L params trees of one structure, whose matrices are `KERNEL_LEAVES`.
+    index: [] int32 layer.
+
+  Returns:
+    One params tree of that structure for layer `index`.
+  """
+  def one(*leaves):
+    first = leaves[0]
+    if isinstance(first, Panels):
+      return Panels(cpu_kernels.LayerPick(tuple(w.p for w in leaves), index))
+    if isinstance(first, Int8Panels):
+      return Int8Panels(cpu_kernels.LayerPick(tuple(w.panels for w in leaves), index),
+                        jnp.stack([w.sums for w in leaves])[index],
+                        jnp.stack([w.scale for w in leaves])[index], inputs=first.inputs)
+    if first is None:
+      return None
+    return jnp.stack(leaves)[index]
+
+  return jax.tree.map(one, *layers, is_leaf=lambda x: is_leaf(x) or x is None)
+
+
+def compute_dtype(w: Leaf) -> jnp.dtype:
+  """The activation dtype a model whose head is `w` computes in: its float dtype, float32 for int8."""
+  if isinstance(w, Dense):
+    return jnp.dtype(w.w.dtype)
+  if isinstance(w, Table):
+    return jnp.dtype(w.t.dtype)
+  if isinstance(w, Panels):
+    return jnp.dtype(w.p.dtype)
+  return jnp.dtype(jnp.float32)
+
+
+def nbytes(tree: Any) -> int:
+  """Bytes of every array in a params tree (what reading all of it once costs)."""
+  return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize
+                 for x in jax.tree.leaves(tree) if hasattr(x, "dtype")))

@@ -1,0 +1,84 @@
+"""Unit checks of the cache, acceptance and prompt lookup, each with and without jit (chex.variants)."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import tiny
+from jspec import cache as cache_lib
+from jspec import drafters
+from jspec import sampling
+from jspec import speculative
+
+
+class CacheTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_each_row_writes_at_its_own_offset_and_rollback_is_a_length(self):
+    cache = cache_lib.init(tiny.DRAFT, 2, 8)  # [L=1, B=2, S=8, K=1, H=8]
+    new = jnp.arange(2 * 3 * 8, dtype=jnp.float32).reshape(1, 2, 3, 1, 8) + 1  # [L, B, T, K, H]
+    starts = jnp.asarray([0, 4])
+    k = self.variant(cache_lib.write_chunks)(cache.k, new, starts)
+    chex.assert_shape(k, cache.k.shape)
+    for row, start in enumerate([0, 4]):
+      np.testing.assert_array_equal(k[0, row, start:start + 3], new[0, row])
+      others = np.delete(np.arange(8), np.arange(start, start + 3))
+      assert not np.any(np.asarray(k[0, row, others]))  # nothing else was written
+    rolled = self.variant(cache_lib.with_lengths)(cache.replace(k=k), jnp.asarray([2, 5]))
+    np.testing.assert_array_equal(rolled.lengths, [2, 5])
+    chex.assert_trees_all_equal(rolled.k, k)  # rollback keeps the buffers: only lengths move
+
+
+class AcceptTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_a_rejection_emits_from_the_residual(self):
+    # q puts all its mass on token 0, p half of it: the draft is accepted
+    # half the time, and after a rejection the token comes from
+    # norm(max(0, p - q)) = [0, 0.5, 0.5]: never token 0 again.
+    p = jnp.asarray([[[0.5, 0.25, 0.25], [1.0, 0.0, 0.0]]])  # [B=1, G+1=2, V=3]
+    q = jnp.asarray([[[1.0, 0.0, 0.0]]])  # [B, G=1, V]
+    drafts = jnp.asarray([[0]])
+    accept = self.variant(lambda key: speculative.accept(key, drafts, q, p, jnp.asarray([1]),
+                                                         sampling.Sampling(1.0)))
+    after_rejection, accepted = [], 0
+    for seed in range(200):
+      n, token = accept(jax.random.key(seed))
+      chex.assert_shape([n, token], (1,))
+      if int(n[0]) == 1:
+        accepted += 1
+        assert int(token[0]) == 0  # the bonus token, from p at the next position
+      else:
+        after_rejection.append(int(token[0]))
+    assert 60 < accepted < 140  # p(0) / q(0) = 0.5
+    assert set(after_rejection) == {1, 2}
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_drafts_the_target_agrees_with_are_all_accepted_then_the_bonus(self):
+    p = jax.nn.one_hot(jnp.asarray([[2, 1, 0]]), 3)  # [1, 3, 3] point masses
+    drafts = jnp.asarray([[2, 1]])
+    q = jax.nn.one_hot(drafts, 3)
+    n, token = self.variant(lambda key: speculative.accept(
+        key, drafts, q, p, jnp.asarray([2]), sampling.Sampling(1.0)))(jax.random.key(0))
+    assert int(n[0]) == 2 and int(token[0]) == 0  # both accepted, then p's bonus token
+
+
+class LookupTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_copies_what_followed_the_latest_longest_match(self):
+    # Row 0 ends in "5 6": "5 6" occurred at 1-2 and 5-6, followed by 9 9 at the
+    # latest. Row 1 ends in 4, which never occurred before: nothing to copy.
+    tokens = jnp.asarray([[1, 5, 6, 7, 8, 5, 6, 9, 9, 5, 6, 0],
+                          [1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 0, 0]])
+    seq_len = jnp.asarray([11, 4])
+    lookup = self.variant(lambda t, n: drafters.prompt_lookup(t, n, jnp.asarray([3, 3]), 3, 2, 11))
+    drafts, q, gamma = lookup(tokens, seq_len)
+    chex.assert_shape(drafts, (2, 3))
+    chex.assert_shape(q, (2, 3, 11))
+    assert drafts[0].tolist() == [9, 9, 5] and int(gamma[0]) == 3
+    assert int(gamma[1]) == 0
+    np.testing.assert_array_equal(q[0], jax.nn.one_hot(drafts[0], 11))  # q is a point mass
