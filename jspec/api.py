@@ -404,8 +404,9 @@ class _Programs:
     if key not in self.cache:
       enable_persistent_cache()
       t0 = time.perf_counter()
-      lowered, jitted, stored = program_store.lower(name, fn, args, static, donate_argnums)
-      self.cache[key] = lowered.compile()
+      compiled, jitted, stored = program_store.compile_program(name, fn, args, static,
+                                                               donate_argnums)
+      self.cache[key] = compiled
       self.jitted.append(jitted)
       self.compiles += 1
       self.stored += stored
