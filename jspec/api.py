@@ -8,6 +8,7 @@ The decode loop itself never returns to Python between rounds.
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 import time
 from typing import Any, Callable, Generator, Optional, Sequence, Union
 
@@ -379,13 +380,32 @@ def enable_persistent_cache() -> None:
 
   A second process then loads the compiled programs instead of compiling
   them again. A cache directory the user configured already is left alone;
-  JSPEC_XLA_CACHE=0 turns this off.
+  JSPEC_XLA_CACHE=0 turns this off. The cache only saves time, so a
+  directory that cannot be created is warned about once and programs are
+  compiled without it.
   """
   if not program_store.caching_on() or jax.config.jax_compilation_cache_dir:
     return
-  jax.config.update("jax_compilation_cache_dir", str(fetch.cache_dir() / "xla"))
+  try:
+    xla_dir = fetch.cache_dir() / "xla"
+    try:
+      xla_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+      raise fetch.FetchError(f"cannot create the compilation cache directory {xla_dir} "
+                             f"({err.strerror or type(err).__name__})") from None
+  except fetch.FetchError as err:
+    program_store.warn_once("xla-cache", f"{err}; compiling without a persistent cache")
+    return
+  jax.config.update("jax_compilation_cache_dir", str(xla_dir))
   # The tiny programs of tests compile in well under a second; cache what matters.
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  try:
+    tempfile.TemporaryFile(dir=xla_dir).close()
+  except OSError as err:  # read-only: JAX would warn about every entry it fails to write
+    program_store.warn_once("xla-cache", f"the compilation cache directory {xla_dir} is not "
+                            f"writable ({err.strerror or type(err).__name__}); reading compiled "
+                            "programs from it without adding any")
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
 
 
 class _Programs:

@@ -18,6 +18,7 @@ import safetensors.numpy
 import convert
 import jspec
 from convert import store
+from jspec import cli
 from jspec import config as config_lib
 from jspec import fetch
 from jspec import loading
@@ -395,3 +396,15 @@ def test_tokenizer_cache_is_rebuilt_unless_it_matches(fake_pair, monkeypatch, ca
   assert json.loads(path.read_text()) == saved
   _no_gguf_tokenizer(monkeypatch)
   jspec.load("fake-pair", progress=False)
+
+
+def test_a_cache_directory_that_cannot_be_created_is_one_line(fake_pair, monkeypatch, capsys,
+                                                             tmp_path):
+  (tmp_path / "a-file").write_text("")
+  monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "a-file" / "cache"))
+  with pytest.raises(fetch.FetchError, match="cannot create the jspec cache directory"):
+    jspec.load("fake-pair", progress=False)
+  assert cli.main(["generate", "--model", "fake-pair", PROMPT]) == 2
+  err = capsys.readouterr().err
+  assert err == (f"jspec: error: cannot create the jspec cache directory {tmp_path}/a-file/cache "
+                 "(Not a directory); set JSPEC_CACHE to a writable directory\n")

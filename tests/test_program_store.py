@@ -212,6 +212,57 @@ def test_a_read_only_store_generates_without_storing_and_warns_once(store):
   assert len(out.token_ids) == SETTINGS["max_new_tokens"]
 
 
+@pytest.fixture
+def no_xla_cache_yet(monkeypatch):
+  """The XLA cache unset, as in a new process (restored afterwards)."""
+  saved = {name: getattr(jax.config, name) for name in (
+      "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")}
+  jax.config.update("jax_compilation_cache_dir", None)
+  monkeypatch.setattr(program_store, "_warned", set())
+  monkeypatch.setenv("JSPEC_XLA_CACHE", "1")
+  yield
+  for name, value in saved.items():
+    jax.config.update(name, value)
+
+
+def test_a_compilation_cache_that_cannot_be_created_is_warned_once(no_xla_cache_yet, tmp_path,
+                                                                   monkeypatch):
+  (tmp_path / "a-file").write_text("")
+  monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "a-file" / "cache"))
+  with pytest.warns(RuntimeWarning) as record:
+    api.enable_persistent_cache()
+    api.enable_persistent_cache()  # every new program asks again
+  messages = _runtime_warnings(record)
+  assert len(messages) == 1 and "cannot create the jspec cache directory" in messages[0]
+  assert "compiling without a persistent cache" in messages[0]
+  assert jax.config.jax_compilation_cache_dir is None
+  assert program_store.store_dir() is None  # the store follows the XLA cache
+  monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
+  (tmp_path / "cache").mkdir()
+  (tmp_path / "cache" / "xla").write_text("")  # the cache exists, its xla entry is a file
+  monkeypatch.setattr(program_store, "_warned", set())
+  with pytest.warns(RuntimeWarning, match=r"cannot create the compilation cache directory .*xla"):
+    api.enable_persistent_cache()
+  assert jax.config.jax_compilation_cache_dir is None
+
+
+def test_a_read_only_compilation_cache_is_read_without_writing(no_xla_cache_yet, tmp_path,
+                                                               monkeypatch):
+  monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
+  (tmp_path / "xla").mkdir()
+  undo = _read_only(tmp_path / "xla")
+  if undo is None:
+    pytest.skip("no way to make a directory read-only for root here (chattr failed)")
+  try:
+    with pytest.warns(RuntimeWarning, match="is not writable"):
+      api.enable_persistent_cache()
+  finally:
+    undo()
+  assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")  # still read
+  # JAX writes no entry (it would warn about each one it failed to write).
+  assert jax.config.jax_persistent_cache_min_compile_time_secs == float("inf")
+
+
 def test_the_store_follows_the_xla_cache_switch(monkeypatch):
   api.enable_persistent_cache()
   xla_dir = jax.config.jax_compilation_cache_dir
