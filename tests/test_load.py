@@ -313,6 +313,9 @@ def test_stamped_but_unreadable_file_is_rebuilt(fake_pair, monkeypatch, capsys):
     f.seek(9)
     f.write(b"\xff" * 16)
   os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))
+  # A stamp that vouches for it anyway (as one written over a bad file would):
+  # loading it is what fails.
+  loading._write_stamp(out, fetch.MODELS["fake-draft"].sha256, "float32")
   calls = _count_conversions(monkeypatch)
   assert _ids(jspec.load("fake-pair", progress=False)) == expected
   assert calls == ["fake-draft.gguf"]
@@ -341,21 +344,75 @@ def test_interrupted_conversion_leaves_cache_usable(fake_pair, monkeypatch):
   assert not leftover.exists() and not list(fake_pair.glob("*.tmp"))
 
 
-def test_unstamped_file_adopted_only_if_newer_than_its_gguf(fake_pair, monkeypatch):
+def _flip_middle(path, count=64):
+  """Inverts `count` bytes in the middle of a file, keeping its size and mtime."""
+  st = path.stat()
+  with open(path, "r+b") as f:
+    f.seek(st.st_size // 2)
+    data = f.read(count)
+    f.seek(st.st_size // 2)
+    f.write(bytes(b ^ 0xFF for b in data))
+  os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_an_unstamped_file_is_never_adopted(fake_pair, monkeypatch, capsys):
+  expected = _ids(jspec.load("fake-pair", progress=False))
+  out = _converted(fake_pair, "fake-target")
+  stamp = out.with_name(out.name + ".stamp")
+  stamp.unlink()  # killed between the rename and the stamp, or never converted by jspec
+  calls = _count_conversions(monkeypatch)
+  assert _ids(jspec.load("fake-pair", progress=False)) == expected
+  assert calls == ["fake-target.gguf"] and stamp.is_file()
+  assert "rebuilding" in capsys.readouterr().err
+  # The target's converted file as a symlink to the draft's, unstamped and
+  # newer than the target's GGUF: it was loaded as the target, then stamped.
+  draft_file = _converted(fake_pair, "fake-draft")
+  draft_bytes = draft_file.read_bytes()
+  out.unlink()
+  stamp.unlink()
+  out.symlink_to(draft_file.name)
+  calls.clear()
+  assert _ids(jspec.load("fake-pair", progress=False)) == expected
+  assert calls == ["fake-target.gguf"]
+  assert not out.is_symlink() and draft_file.read_bytes() == draft_bytes
+
+
+@pytest.mark.parametrize("settled", [False, True], ids=["fresh-stamp", "settled-stamp"])
+def test_flipped_weight_bytes_with_size_and_mtime_kept_are_rebuilt(fake_pair, monkeypatch,
+                                                                   capsys, settled):
+  expected = _ids(jspec.load("fake-pair", progress=False))
+  if settled:  # as if stamped long after the file was written: trusted while its ctime holds
+    monkeypatch.setattr(loading, "_SETTLED_NS", 0)
+  out = _converted(fake_pair, "fake-target")
+  before = out.stat()
+  _flip_middle(out)  # inside the tensor data: the file still loads, with other weights
+  assert (out.stat().st_size, out.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+  calls = _count_conversions(monkeypatch)
+  assert _ids(jspec.load("fake-pair", progress=False)) == expected
+  assert calls == ["fake-target.gguf"]
+  err = capsys.readouterr().err
+  assert f"converted cache {out} is stale, modified or unstamped" in err
+  assert len([line for line in err.splitlines() if "rebuilding" in line]) == 1
+
+
+def test_a_settled_stamp_is_trusted_without_hashing_until_the_file_changes(fake_pair,
+                                                                          monkeypatch):
   jspec.load("fake-pair", progress=False)
   out = _converted(fake_pair, "fake-target")
   stamp = out.with_name(out.name + ".stamp")
-  stamp.unlink()  # killed between the rename and the stamp
-  with monkeypatch.context() as m:
-    _no_conversion(m)
-    jspec.load("fake-pair", progress=False)
-  assert stamp.is_file()
-  stamp.unlink()
-  gguf = fake_pair / "fake-target.gguf"
-  os.utime(out, ns=(gguf.stat().st_mtime_ns - 10**9,) * 2)  # older: from some other file
-  calls = _count_conversions(monkeypatch)
+  record = json.loads(stamp.read_text())
+  assert record["content_sha256"] == hashlib.sha256(out.read_bytes()).hexdigest()
+  stamp.write_text(json.dumps({**record, "stamped_ns": record["ctime_ns"] + 3 * 10**9}))
+  hashed = []
+  real = loading._content_sha256
+  monkeypatch.setattr(loading, "_content_sha256", lambda path: hashed.append(path) or real(path))
+  _no_conversion(monkeypatch)
   jspec.load("fake-pair", progress=False)
-  assert calls == ["fake-target.gguf"]
+  assert out not in hashed  # the file's inode and change time vouch that nothing wrote it
+  st = out.stat()
+  os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))  # a new change time, the same bytes
+  jspec.load("fake-pair", progress=False)
+  assert out in hashed  # hashed, matched, and not rebuilt (conversion is patched to fail)
 
 
 def test_stale_conversion_of_another_gguf_is_rebuilt(fake_pair, monkeypatch):
@@ -379,7 +436,7 @@ def test_missing_chunk_package_names_it(fake_pair, monkeypatch):
     jspec.load("fake-pair", progress=False)
 
 
-@pytest.mark.parametrize("damage", ["garbage", "bad-backend", "other-gguf"])
+@pytest.mark.parametrize("damage", ["garbage", "bad-backend", "edited-vocab", "other-gguf"])
 def test_tokenizer_cache_is_rebuilt_unless_it_matches(fake_pair, monkeypatch, capsys, damage):
   first = jspec.load("fake-pair", progress=False)
   path = fake_pair / "fake-target.tokenizer.json"
@@ -388,6 +445,11 @@ def test_tokenizer_cache_is_rebuilt_unless_it_matches(fake_pair, monkeypatch, ca
     path.write_text(path.read_text()[:1000])
   elif damage == "bad-backend":
     path.write_text(json.dumps({**saved, "backend": "{not a tokenizer"}))
+  elif damage == "edited-vocab":  # still a valid tokenizer, with "d" and "e" swapped
+    backend = json.loads(saved["backend"])
+    vocab = backend["model"]["vocab"]
+    vocab["d"], vocab["e"] = vocab["e"], vocab["d"]
+    path.write_text(json.dumps({**saved, "backend": json.dumps(backend)}))
   else:
     path.write_text(json.dumps({**saved, "source_sha256": "0" * 64}))
   second = jspec.load("fake-pair", progress=False)
