@@ -367,3 +367,14 @@ def test_convert_writes_beside_its_input(good_dir, tmp_path):
   assert store.is_jspec_file(hf_dir / store.DEFAULT_NAME)
   assert (hf_dir / "model.safetensors").read_bytes() == weights
 
+
+@pytest.mark.parametrize("text,kind", [("[1, 2]", "array"), ('"qwen2"', "string"),
+                                       ("7", "number"), ("null", "null")])
+def test_a_config_json_that_is_not_an_object_is_one_line(good_dir, tmp_path, capsys, text, kind):
+  bad = _copy_dir(good_dir, tmp_path / "bad")
+  (bad / "config.json").write_text(text)
+  _raises(bad, "config.json", "expected a JSON object", f"got a JSON {kind}",
+          error=config_lib.ConfigError)
+  assert cli.main([str(bad), str(tmp_path / "out.safetensors")]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "expected a JSON object" in err and "Traceback" not in err
