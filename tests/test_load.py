@@ -377,13 +377,27 @@ def test_an_unstamped_file_is_never_adopted(fake_pair, monkeypatch, capsys):
   assert not out.is_symlink() and draft_file.read_bytes() == draft_bytes
 
 
+def _settle(out):
+  """Dates the stamp of `out` long after the file's change time, so that only that ctime vouches.
+
+  A stamp is written seconds after the file at most; this one is as if the
+  clock had run far ahead since, so the check that a later write (which
+  sets a ctime later than the stamp) fails the 2 s rule cannot be what
+  catches a change: only the recorded ctime and inode can.
+  """
+  stamp = out.with_name(out.name + ".stamp")
+  record = json.loads(stamp.read_text())
+  stamp.write_text(json.dumps({**record, "stamped_ns": record["ctime_ns"] + 10**15}))
+  return record
+
+
 @pytest.mark.parametrize("settled", [False, True], ids=["fresh-stamp", "settled-stamp"])
 def test_flipped_weight_bytes_with_size_and_mtime_kept_are_rebuilt(fake_pair, monkeypatch,
                                                                    capsys, settled):
   expected = _ids(jspec.load("fake-pair", progress=False))
-  if settled:  # as if stamped long after the file was written: trusted while its ctime holds
-    monkeypatch.setattr(loading, "_SETTLED_NS", 0)
   out = _converted(fake_pair, "fake-target")
+  if settled:
+    _settle(out)
   before = out.stat()
   _flip_middle(out)  # inside the tensor data: the file still loads, with other weights
   assert (out.stat().st_size, out.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
@@ -399,10 +413,8 @@ def test_a_settled_stamp_is_trusted_without_hashing_until_the_file_changes(fake_
                                                                           monkeypatch):
   jspec.load("fake-pair", progress=False)
   out = _converted(fake_pair, "fake-target")
-  stamp = out.with_name(out.name + ".stamp")
-  record = json.loads(stamp.read_text())
+  record = _settle(out)
   assert record["content_sha256"] == hashlib.sha256(out.read_bytes()).hexdigest()
-  stamp.write_text(json.dumps({**record, "stamped_ns": record["ctime_ns"] + 3 * 10**9}))
   hashed = []
   real = loading._content_sha256
   monkeypatch.setattr(loading, "_content_sha256", lambda path: hashed.append(path) or real(path))
