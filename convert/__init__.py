@@ -12,6 +12,7 @@ file, which later loads without dequantizing anything.
 
 from __future__ import annotations
 
+import os
 import pathlib
 from typing import Any, Callable, Optional
 
@@ -109,6 +110,45 @@ def load_checkpoint(path, dtype: Any = "float32",
     source.close()
 
 
+def _source_files(src: pathlib.Path) -> list[pathlib.Path]:
+  """The files converting `src` reads: the GGUF itself, or an HF directory's config and weights."""
+  if not src.is_dir():
+    return [src]
+  files = [src / "config.json", src / hf.INDEX, src / hf.SINGLE]
+  try:
+    files += hf._shard_files(src)  # pylint: disable=protected-access  (the index's shards)
+  except ConvertError:
+    pass  # reading the source reports it
+  return files
+
+
+def check_output(src, out) -> None:
+  """Refuses an output that is the input, so that a conversion never replaces its own source.
+
+  Args:
+    src: the checkpoint to convert.
+    out: the destination as given (a file, or a directory that gets
+      jspec.safetensors).
+
+  Raises:
+    ConvertError: `out` resolves to a file the conversion reads, by its
+      path, through symlinks or as a hard link.
+  """
+  dest = store.resolve_path(out)
+  real = os.path.realpath(dest)
+  for path in _source_files(pathlib.Path(src)):
+    same = os.path.realpath(path) == real
+    if not same and path.exists() and dest.exists():
+      try:
+        same = os.path.samefile(path, dest)
+      except OSError:
+        pass
+    if same:
+      named = f"{out}" if dest == pathlib.Path(out) else f"{out} ({dest})"
+      raise ConvertError(f"output {named} is the input {path}: converting would replace the "
+                         "checkpoint it reads; choose another output file")
+
+
 def convert_checkpoint(src, out, dtype: Any = "float32", progress: bool = False) -> pathlib.Path:
   """Converts a checkpoint into a jspec file (params stay on the host throughout).
 
@@ -120,8 +160,13 @@ def convert_checkpoint(src, out, dtype: Any = "float32", progress: bool = False)
 
   Returns:
     The path written.
+
+  Raises:
+    ConvertError: an unusable source, or an output that is the source
+      (`check_output`).
   """
   keys.resolve_dtype(dtype)  # fail before the slow part
+  check_output(src, out)  # before reading anything
   source = open_source(src)
   try:
     cfg, tensors = assemble(source, dtype, put=None, progress=progress)

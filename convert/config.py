@@ -169,6 +169,11 @@ def from_hf_dict(d: Mapping[str, Any], source: str = "config.json") -> Qwen2Conf
   )
 
 
+# What a config.json that is not an object holds, in JSON's words.
+_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+               type(None): "null"}
+
+
 def from_hf_json(path: str | pathlib.Path) -> Qwen2Config:
   """Reads `config.json` from a file or a checkpoint directory.
 
@@ -187,6 +192,9 @@ def from_hf_json(path: str | pathlib.Path) -> Qwen2Config:
     d = json.loads(path.read_text())
   except json.JSONDecodeError as e:
     raise ConfigError(f"{path}: not valid JSON ({e})") from None
+  if not isinstance(d, dict):
+    raise ConfigError(f"{path}: expected a JSON object of config fields, got a JSON "
+                      f"{_JSON_TYPES.get(type(d), type(d).__name__)}")
   return from_hf_dict(d, source=str(path))
 
 

@@ -16,10 +16,11 @@ It is compiled from source with the host's C++ compiler (`$CXX`, else
 `c++`) for the host's CPU (-march=native) the first time a process asks
 for it, into `<jspec cache>/kernels/<digest>/`, written to a temporary
 file and renamed, so a half-written library is never loaded. Where that
-cannot be done (no compiler, JSPEC_CPU_KERNELS=0) `available()` says no,
-with the reason in `unavailable_reason()`, and models are prepared for
-XLA's own dot instead (`jspec.bundle.prepare`); kernel panels still run
-everywhere, through an einsum. The int8 kernel needs AVX-512 VNNI or, a slower variant, AVX2
+cannot be done (no compiler, a compiler that runs past `build_timeout()`,
+JSPEC_CPU_KERNELS=0) `available()` says no, with the reason in
+`unavailable_reason()`, and models are prepared for XLA's own dot instead
+(`jspec.bundle.prepare`); kernel panels still run everywhere, through an
+einsum. The int8 kernel needs AVX-512 VNNI or, a slower variant, AVX2
 (`int8_kind()`); without either the draft keeps XLA's int8 dot.
 """
 
@@ -33,6 +34,7 @@ import os
 import pathlib
 import platform
 import shlex
+import signal
 import subprocess
 import tempfile
 from typing import Optional
@@ -62,6 +64,13 @@ _SYMBOLS = {TARGET: "JspecGemmF32", TARGET_INT8: "JspecGemmI8", TARGET_S8: "Jspe
             LAYER_TARGETS[TARGET_S8]: "JspecGemmS8Layer", TARGET_ATTEND: "JspecAttendF32",
             TARGET_F32S8: "JspecGemmF32S8"}
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
+# How long the compiler may run before jspec gives up on the kernels for
+# this process and uses XLA's dot. On the 2-core host the build took 19 s
+# alone and 40 s with two at once (the test workers' first use), with the
+# machine's load average at 9-10; a compiler that hangs stalled generation
+# for the 300 s the limit was before. JSPEC_KERNEL_BUILD_TIMEOUT overrides it
+# (seconds); see docs/decisions-reliability.md.
+BUILD_TIMEOUT_S = 120.0
 _LIBRARY = None  # the loaded library: kept referenced so it is never unloaded
 
 
@@ -361,10 +370,55 @@ def _load() -> Optional[str]:
     for target, symbol in _SYMBOLS.items():
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                   platform="cpu")
+  except BuildTimeout as err:
+    return str(err)
   except (OSError, subprocess.SubprocessError, AttributeError, RuntimeError) as err:
     return f"{type(err).__name__}: {err}"
   _LIBRARY = library
   return None
+
+
+class BuildTimeout(RuntimeError):
+  """The compiler ran past `build_timeout()`: it was stopped, and the kernels are not built."""
+
+
+def build_timeout() -> float:
+  """How many seconds the kernels' compile may take, so that a hanging compiler cannot stall a run.
+
+  Returns:
+    JSPEC_KERNEL_BUILD_TIMEOUT when set, else `BUILD_TIMEOUT_S`.
+
+  Raises:
+    RuntimeError: JSPEC_KERNEL_BUILD_TIMEOUT is not a number of seconds > 0.
+  """
+  text = os.environ.get("JSPEC_KERNEL_BUILD_TIMEOUT", "").strip()
+  if not text:
+    return BUILD_TIMEOUT_S
+  try:
+    seconds = float(text)
+  except ValueError:
+    seconds = float("nan")
+  if not seconds > 0 or seconds == float("inf"):
+    raise RuntimeError(f"JSPEC_KERNEL_BUILD_TIMEOUT={text!r}: expected a number of seconds > 0")
+  return seconds
+
+
+def _run_compiler(command: list[str], timeout: float) -> subprocess.CompletedProcess:
+  """Runs the compiler in a process group of its own, killed whole (cc1plus too) at the timeout."""
+  proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)
+  try:
+    out, err = proc.communicate(timeout=timeout)
+  except BaseException:
+    try:
+      os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+      pass
+    proc.wait()
+    for pipe in (proc.stdout, proc.stderr):
+      pipe.close()
+    raise
+  return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def _compiler() -> list[str]:
@@ -395,6 +449,7 @@ def build(source: pathlib.Path = SOURCE) -> pathlib.Path:
 
   Raises:
     OSError: no compiler could be run.
+    BuildTimeout: the compiler ran past `build_timeout()` and was stopped.
     RuntimeError: the compile failed (the compiler's output is in the message).
   """
   include = jax.ffi.include_dir()
@@ -408,13 +463,18 @@ def build(source: pathlib.Path = SOURCE) -> pathlib.Path:
   path = directory / "libjspec_cpu_kernels.so"
   if path.exists():
     return path
+  timeout = build_timeout()
   directory.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
   os.close(fd)
   try:
     command = (_compiler() + list(_FLAGS) + ["-I", include, "-I", str(SOURCE.parent)]
                + [str(path) for path in sources] + ["-o", tmp])
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    try:
+      done = _run_compiler(command, timeout)
+    except subprocess.TimeoutExpired:
+      raise BuildTimeout(f"compiler timed out after {timeout:g} s: {shlex.join(command[:1])}, "
+                         "stopped; JSPEC_KERNEL_BUILD_TIMEOUT sets the limit") from None
     if done.returncode != 0:
       names = ", ".join(path.name for path in sources)
       raise RuntimeError(f"compiling {names} failed ({shlex.join(command)}): "

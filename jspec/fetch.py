@@ -147,6 +147,9 @@ def cache_dir():
   Returns:
       ``$JSPEC_CACHE`` if set and non-empty, else the platform user cache
       directory for ``jspec``, as a ``pathlib.Path``.
+
+  Raises:
+      FetchError: the directory cannot be created (the message names it).
   """
   env = os.environ.get("JSPEC_CACHE")
   if env:
@@ -154,7 +157,12 @@ def cache_dir():
   else:
     import platformdirs  # pylint: disable=import-outside-toplevel (only without $JSPEC_CACHE)
     path = pathlib.Path(platformdirs.user_cache_dir("jspec"))
-  path.mkdir(parents=True, exist_ok=True)
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise FetchError(f"cannot create the jspec cache directory {path} "
+                     f"({e.strerror or type(e).__name__}); set JSPEC_CACHE to a writable "
+                     "directory") from None
   return path
 
 

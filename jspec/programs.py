@@ -9,6 +9,7 @@ traced programs, so a second process neither traces nor compiles.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -24,13 +25,32 @@ def enable_persistent_cache() -> None:
 
   A second process then loads the compiled programs instead of compiling
   them again. A cache directory the user configured already is left alone;
-  JSPEC_XLA_CACHE=0 turns this off.
+  JSPEC_XLA_CACHE=0 turns this off. The cache only saves time, so a
+  directory that cannot be created is warned about once and programs are
+  compiled without it.
   """
   if not program_store.caching_on() or jax.config.jax_compilation_cache_dir:
     return
-  jax.config.update("jax_compilation_cache_dir", str(fetch.cache_dir() / "xla"))
+  try:
+    xla_dir = fetch.cache_dir() / "xla"
+    try:
+      xla_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+      raise fetch.FetchError(f"cannot create the compilation cache directory {xla_dir} "
+                             f"({err.strerror or type(err).__name__})") from None
+  except fetch.FetchError as err:
+    program_store.warn_once("xla-cache", f"{err}; compiling without a persistent cache")
+    return
+  jax.config.update("jax_compilation_cache_dir", str(xla_dir))
   # The tiny programs of tests compile in well under a second; cache what matters.
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  try:
+    tempfile.TemporaryFile(dir=xla_dir).close()
+  except OSError as err:  # read-only: JAX would warn about every entry it fails to write
+    program_store.warn_once("xla-cache", f"the compilation cache directory {xla_dir} is not "
+                            f"writable ({err.strerror or type(err).__name__}); reading compiled "
+                            "programs from it without adding any")
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
 
 
 class Programs:
@@ -67,8 +87,9 @@ class Programs:
       return self.cache[key], 0.0
     enable_persistent_cache()
     t0 = time.perf_counter()
-    lowered, jitted, stored = program_store.lower(name, fn, args, static, donate_argnums)
-    self.cache[key] = lowered.compile()
+    compiled, jitted, stored = program_store.compile_program(name, fn, args, static,
+                                                             donate_argnums)
+    self.cache[key] = compiled
     self.jitted.append(jitted)
     self.compiles += 1
     self.stored += stored

@@ -314,3 +314,68 @@ def test_cli_converts_and_reports_errors(good_dir, tmp_path, capsys):
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and "nope" in err and "Traceback" not in err
   assert not (tmp_path / "x.safetensors").exists()
+
+
+def _output_at_the_input(kind, root, good_dir, gguf):
+  """(source, output) where the output resolves to a file the conversion reads."""
+  if kind == "same-path":
+    return gguf, gguf
+  if kind == "dot-path":
+    return gguf, gguf.parent / "." / gguf.name
+  if kind == "symlink":
+    (root / "link.gguf").symlink_to(gguf)
+    return gguf, root / "link.gguf"
+  if kind == "symlinked-source":
+    (root / "link.gguf").symlink_to(gguf)
+    return root / "link.gguf", gguf
+  if kind == "hard-link":
+    os.link(gguf, root / "hard.gguf")
+    return gguf, root / "hard.gguf"
+  if kind == "directory":  # OUT/jspec.safetensors (store.resolve_path) is the input
+    (root / "out").mkdir()
+    (root / "out" / store.DEFAULT_NAME).symlink_to(gguf)
+    return gguf, root / "out"
+  hf_dir = _copy_dir(good_dir, root / "hf")
+  return hf_dir, hf_dir / {"hf-weights": "model.safetensors", "hf-config": "config.json"}[kind]
+
+
+@pytest.mark.parametrize("kind", ["same-path", "dot-path", "symlink", "symlinked-source",
+                                  "hard-link", "directory", "hf-weights", "hf-config"])
+def test_convert_refuses_an_output_that_is_its_input(kind, good_dir, make_hf_model, write_gguf,
+                                                     tmp_path, capsys, monkeypatch):
+  gguf_path = write_gguf(tmp_path / "m.gguf", make_hf_model(seed=7, **GGUF_SIZES))
+  src, out = _output_at_the_input(kind, tmp_path, good_dir, gguf_path)
+  before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+  def no_read(path):
+    raise AssertionError(f"read {path} before refusing the output")
+
+  monkeypatch.setattr(convert, "open_source", no_read)
+  assert cli.main([str(src), str(out)], prog="jspec convert") == 2
+  err = capsys.readouterr().err
+  assert err.startswith("jspec convert: error: output ") and err.count("\n") == 1, err
+  assert "is the input" in err and "choose another output" in err
+  assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+  with pytest.raises(keys.ConvertError, match="is the input"):
+    convert.convert_checkpoint(src, out)
+
+
+def test_convert_writes_beside_its_input(good_dir, tmp_path):
+  # The refusal is about the input's own files: a new file in its directory is fine.
+  hf_dir = _copy_dir(good_dir, tmp_path / "hf")
+  weights = (hf_dir / "model.safetensors").read_bytes()
+  assert convert.convert_checkpoint(hf_dir, hf_dir) == hf_dir / store.DEFAULT_NAME
+  assert store.is_jspec_file(hf_dir / store.DEFAULT_NAME)
+  assert (hf_dir / "model.safetensors").read_bytes() == weights
+
+
+@pytest.mark.parametrize("text,kind", [("[1, 2]", "array"), ('"qwen2"', "string"),
+                                       ("7", "number"), ("null", "null")])
+def test_a_config_json_that_is_not_an_object_is_one_line(good_dir, tmp_path, capsys, text, kind):
+  bad = _copy_dir(good_dir, tmp_path / "bad")
+  (bad / "config.json").write_text(text)
+  _raises(bad, "config.json", "expected a JSON object", f"got a JSON {kind}",
+          error=config_lib.ConfigError)
+  assert cli.main([str(bad), str(tmp_path / "out.safetensors")]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "expected a JSON object" in err and "Traceback" not in err

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jspec import cli
 from jspec import cpu_kernels
 
 # Where a C++ compiler exists (CI's machine has one) the kernel must build:
@@ -112,6 +115,42 @@ def test_a_failed_compile_says_why_and_leaves_no_library(monkeypatch, tmp_path):
   with pytest.raises(RuntimeError, match=r"compiling cpu_kernels\.cc, cpu_attention\.cc failed"):
     cpu_kernels.build()
   assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_compiler_that_hangs_is_stopped_and_jspec_info_says_so(monkeypatch, tmp_path, capsys):
+  # A "compiler" that never returns, with a child of its own (as c++ runs cc1plus).
+  hang = tmp_path / "hang.sh"
+  hang.write_text(f"#!/bin/sh\nsleep 600 &\necho $! > {tmp_path}/child.pid\nwait\n")
+  hang.chmod(0o755)
+  monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
+  monkeypatch.setenv("CXX", str(hang))
+  monkeypatch.setenv("JSPEC_KERNEL_BUILD_TIMEOUT", "1.5")
+  start = time.monotonic()
+  with pytest.raises(cpu_kernels.BuildTimeout, match=r"^compiler timed out after 1\.5 s"):
+    cpu_kernels.build()
+  assert time.monotonic() - start < 30
+  child = int((tmp_path / "child.pid").read_text())
+  state = pathlib.Path(f"/proc/{child}/stat")  # gone, or a zombie nobody reaped: not sleeping
+  assert not state.exists() or state.read_text().split(")")[-1].split()[0] in ("Z", "X")
+  assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
+  # A fresh process's first ask: not available, with the reason, and `jspec info` says it.
+  monkeypatch.setattr(cpu_kernels, "_load", functools.lru_cache(maxsize=1)(
+      cpu_kernels._load.__wrapped__))
+  assert not cpu_kernels.available()
+  assert cpu_kernels.unavailable_reason().startswith("compiler timed out after 1.5 s")
+  assert cli.main(["info"]) == 0
+  assert "cpu kernels: not built (compiler timed out after 1.5 s" in capsys.readouterr().out
+
+
+def test_the_build_timeout_comes_from_the_environment(monkeypatch):
+  monkeypatch.delenv("JSPEC_KERNEL_BUILD_TIMEOUT", raising=False)
+  assert cpu_kernels.build_timeout() == cpu_kernels.BUILD_TIMEOUT_S < 300
+  monkeypatch.setenv("JSPEC_KERNEL_BUILD_TIMEOUT", "45")
+  assert cpu_kernels.build_timeout() == 45.0
+  for bad in ("soon", "0", "-3", "nan", "inf"):
+    monkeypatch.setenv("JSPEC_KERNEL_BUILD_TIMEOUT", bad)
+    with pytest.raises(RuntimeError, match="JSPEC_KERNEL_BUILD_TIMEOUT"):
+      cpu_kernels.build_timeout()
 
 
 def test_turning_the_kernel_off_falls_back_to_xla_forms():

@@ -19,6 +19,7 @@ import convert
 import jspec
 from convert import store
 from convert import config as config_lib
+from jspec import cli
 from jspec import fetch
 from jspec import loading
 from jspec import tokenizer as tokenizer_lib
@@ -310,6 +311,9 @@ def test_stamped_but_unreadable_file_is_rebuilt(fake_pair, monkeypatch, capsys):
     f.seek(9)
     f.write(b"\xff" * 16)
   os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))
+  # A stamp that vouches for it anyway (as one written over a bad file would):
+  # loading it is what fails.
+  loading._write_stamp(out, fetch.MODELS["fake-draft"].sha256, "float32")
   calls = _count_conversions(monkeypatch)
   assert _ids(jspec.load("fake-pair", progress=False)) == expected
   assert calls == ["fake-draft.gguf"]
@@ -338,21 +342,87 @@ def test_interrupted_conversion_leaves_cache_usable(fake_pair, monkeypatch):
   assert not leftover.exists() and not list(fake_pair.glob("*.tmp"))
 
 
-def test_unstamped_file_adopted_only_if_newer_than_its_gguf(fake_pair, monkeypatch):
-  jspec.load("fake-pair", progress=False)
+def _flip_middle(path, count=64):
+  """Inverts `count` bytes in the middle of a file, keeping its size and mtime."""
+  st = path.stat()
+  with open(path, "r+b") as f:
+    f.seek(st.st_size // 2)
+    data = f.read(count)
+    f.seek(st.st_size // 2)
+    f.write(bytes(b ^ 0xFF for b in data))
+  os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_an_unstamped_file_is_never_adopted(fake_pair, monkeypatch, capsys):
+  expected = _ids(jspec.load("fake-pair", progress=False))
   out = _converted(fake_pair, "fake-target")
   stamp = out.with_name(out.name + ".stamp")
-  stamp.unlink()  # killed between the rename and the stamp
-  with monkeypatch.context() as m:
-    _no_conversion(m)
-    jspec.load("fake-pair", progress=False)
-  assert stamp.is_file()
-  stamp.unlink()
-  gguf = fake_pair / "fake-target.gguf"
-  os.utime(out, ns=(gguf.stat().st_mtime_ns - 10**9,) * 2)  # older: from some other file
+  stamp.unlink()  # killed between the rename and the stamp, or never converted by jspec
   calls = _count_conversions(monkeypatch)
-  jspec.load("fake-pair", progress=False)
+  assert _ids(jspec.load("fake-pair", progress=False)) == expected
+  assert calls == ["fake-target.gguf"] and stamp.is_file()
+  assert "rebuilding" in capsys.readouterr().err
+  # The target's converted file as a symlink to the draft's, unstamped and
+  # newer than the target's GGUF: it was loaded as the target, then stamped.
+  draft_file = _converted(fake_pair, "fake-draft")
+  draft_bytes = draft_file.read_bytes()
+  out.unlink()
+  stamp.unlink()
+  out.symlink_to(draft_file.name)
+  calls.clear()
+  assert _ids(jspec.load("fake-pair", progress=False)) == expected
   assert calls == ["fake-target.gguf"]
+  assert not out.is_symlink() and draft_file.read_bytes() == draft_bytes
+
+
+def _settle(out):
+  """Dates the stamp of `out` long after the file's change time, so that only that ctime vouches.
+
+  A stamp is written seconds after the file at most; this one is as if the
+  clock had run far ahead since, so the check that a later write (which
+  sets a ctime later than the stamp) fails the 2 s rule cannot be what
+  catches a change: only the recorded ctime and inode can.
+  """
+  stamp = out.with_name(out.name + ".stamp")
+  record = json.loads(stamp.read_text())
+  stamp.write_text(json.dumps({**record, "stamped_ns": record["ctime_ns"] + 10**15}))
+  return record
+
+
+@pytest.mark.parametrize("settled", [False, True], ids=["fresh-stamp", "settled-stamp"])
+def test_flipped_weight_bytes_with_size_and_mtime_kept_are_rebuilt(fake_pair, monkeypatch,
+                                                                   capsys, settled):
+  expected = _ids(jspec.load("fake-pair", progress=False))
+  out = _converted(fake_pair, "fake-target")
+  if settled:
+    _settle(out)
+  before = out.stat()
+  _flip_middle(out)  # inside the tensor data: the file still loads, with other weights
+  assert (out.stat().st_size, out.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+  calls = _count_conversions(monkeypatch)
+  assert _ids(jspec.load("fake-pair", progress=False)) == expected
+  assert calls == ["fake-target.gguf"]
+  err = capsys.readouterr().err
+  assert f"converted cache {out} is stale, modified or unstamped" in err
+  assert len([line for line in err.splitlines() if "rebuilding" in line]) == 1
+
+
+def test_a_settled_stamp_is_trusted_without_hashing_until_the_file_changes(fake_pair,
+                                                                          monkeypatch):
+  jspec.load("fake-pair", progress=False)
+  out = _converted(fake_pair, "fake-target")
+  record = _settle(out)
+  assert record["content_sha256"] == hashlib.sha256(out.read_bytes()).hexdigest()
+  hashed = []
+  real = loading._content_sha256
+  monkeypatch.setattr(loading, "_content_sha256", lambda path: hashed.append(path) or real(path))
+  _no_conversion(monkeypatch)
+  jspec.load("fake-pair", progress=False)
+  assert out not in hashed  # the file's inode and change time vouch that nothing wrote it
+  st = out.stat()
+  os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))  # a new change time, the same bytes
+  jspec.load("fake-pair", progress=False)
+  assert out in hashed  # hashed, matched, and not rebuilt (conversion is patched to fail)
 
 
 def test_stale_conversion_of_another_gguf_is_rebuilt(fake_pair, monkeypatch):
@@ -376,7 +446,7 @@ def test_missing_chunk_package_names_it(fake_pair, monkeypatch):
     jspec.load("fake-pair", progress=False)
 
 
-@pytest.mark.parametrize("damage", ["garbage", "bad-backend", "other-gguf"])
+@pytest.mark.parametrize("damage", ["garbage", "bad-backend", "edited-vocab", "other-gguf"])
 def test_tokenizer_cache_is_rebuilt_unless_it_matches(fake_pair, monkeypatch, capsys, damage):
   first = jspec.load("fake-pair", progress=False)
   path = fake_pair / "fake-target.tokenizer.json"
@@ -385,6 +455,11 @@ def test_tokenizer_cache_is_rebuilt_unless_it_matches(fake_pair, monkeypatch, ca
     path.write_text(path.read_text()[:1000])
   elif damage == "bad-backend":
     path.write_text(json.dumps({**saved, "backend": "{not a tokenizer"}))
+  elif damage == "edited-vocab":  # still a valid tokenizer, with "d" and "e" swapped
+    backend = json.loads(saved["backend"])
+    vocab = backend["model"]["vocab"]
+    vocab["d"], vocab["e"] = vocab["e"], vocab["d"]
+    path.write_text(json.dumps({**saved, "backend": json.dumps(backend)}))
   else:
     path.write_text(json.dumps({**saved, "source_sha256": "0" * 64}))
   second = jspec.load("fake-pair", progress=False)
@@ -393,3 +468,15 @@ def test_tokenizer_cache_is_rebuilt_unless_it_matches(fake_pair, monkeypatch, ca
   assert json.loads(path.read_text()) == saved
   _no_gguf_tokenizer(monkeypatch)
   jspec.load("fake-pair", progress=False)
+
+
+def test_a_cache_directory_that_cannot_be_created_is_one_line(fake_pair, monkeypatch, capsys,
+                                                             tmp_path):
+  (tmp_path / "a-file").write_text("")
+  monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "a-file" / "cache"))
+  with pytest.raises(fetch.FetchError, match="cannot create the jspec cache directory"):
+    jspec.load("fake-pair", progress=False)
+  assert cli.main(["generate", "--model", "fake-pair", PROMPT]) == 2
+  err = capsys.readouterr().err
+  assert err == (f"jspec: error: cannot create the jspec cache directory {tmp_path}/a-file/cache "
+                 "(Not a directory); set JSPEC_CACHE to a writable directory\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -27,6 +28,7 @@ def store(tmp_path, monkeypatch):
   """An empty store of this test's own, with the XLA cache on as `generate` turns it on."""
   programs.enable_persistent_cache()
   monkeypatch.setattr(program_store, "store_dir", lambda: tmp_path / "programs")
+  monkeypatch.setattr(program_store, "_warned", set())  # each test sees its own warnings
   programs.release()
   return tmp_path / "programs"
 
@@ -82,6 +84,183 @@ def test_an_unreadable_stored_program_is_traced_again_and_replaced(store):
   stored = programs.PROGRAMS.stored
   jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)  # the rewritten files read back
   assert programs.PROGRAMS.stored == stored + 2
+
+
+def _flip_middle(path, count=64):
+  """Inverts `count` bytes in the middle of a file, keeping its size and mtime."""
+  st = path.stat()
+  with open(path, "r+b") as f:
+    f.seek(st.st_size // 2)
+    data = f.read(count)
+    f.seek(st.st_size // 2)
+    f.write(bytes(b ^ 0xFF for b in data))
+  os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _runtime_warnings(record) -> list[str]:
+  return [str(w.message) for w in record if issubclass(w.category, RuntimeWarning)]
+
+
+def test_a_damaged_stored_program_is_traced_again_and_replaced(store):
+  bundle = tiny.pair(5)
+  first = jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
+  for path in store.iterdir():
+    _flip_middle(path)  # still a flatbuffer, often one that deserializes: the sha256 tells
+  programs.release()
+  with pytest.warns(RuntimeWarning) as record:
+    again = jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
+  assert again.token_ids == first.token_ids
+  messages = _runtime_warnings(record)
+  assert len(messages) == 2 and all("sha256 does not match" in m for m in messages), messages
+  programs.release()
+  stored = programs.PROGRAMS.stored
+  jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)  # the replaced entries read back
+  assert programs.PROGRAMS.stored == stored + 2
+
+
+def _rewrite_module(path, edit):
+  """Rewrites a stored program's StableHLO with a sound entry around it (its sha256 matches)."""
+  data = path.read_bytes()
+  head = len(program_store._MAGIC) + program_store._DIGEST_LEN + 1
+  exported = jax.export.deserialize(bytearray(data[head:]))
+  module = edit(bytearray(exported.mlir_module_serialized))
+  path.write_bytes(program_store._entry(
+      dataclasses.replace(exported, mlir_module_serialized=bytes(module))))
+
+
+def test_a_stored_program_that_does_not_lower_is_traced_again_and_replaced(store):
+  bundle = tiny.pair(5)
+  first = jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
+  for path in store.iterdir():
+    _rewrite_module(path, lambda module: module[:len(module) // 3])  # "Failed to deserialize"
+  programs.release()
+  with pytest.warns(RuntimeWarning) as record:
+    again = jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
+  assert again.token_ids == first.token_ids
+  messages = _runtime_warnings(record)
+  assert len(messages) == 2 and all("does not lower" in m for m in messages), messages
+  programs.release()
+  stored = programs.PROGRAMS.stored
+  jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
+  assert programs.PROGRAMS.stored == stored + 2
+
+
+def test_a_stored_program_that_does_not_compile_is_traced_again_and_replaced(store, monkeypatch):
+  bundle = tiny.pair(5)
+  first = jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
+  programs.release()
+  real = program_store._calling
+  calls = []
+
+  class Uncompilable:
+    def compile(self):
+      raise RuntimeError("INTERNAL: as XLA says of a module it cannot compile")
+
+  def first_fails(name, *args):
+    calls.append(name)
+    lowered, call = real(name, *args)
+    return (Uncompilable() if calls.count(name) == 1 else lowered), call
+
+  monkeypatch.setattr(program_store, "_calling", first_fails)
+  with pytest.warns(RuntimeWarning) as record:
+    again = jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
+  assert again.token_ids == first.token_ids
+  messages = _runtime_warnings(record)
+  assert len(messages) == 2 and all("does not compile" in m for m in messages), messages
+  assert sorted(calls) == ["prefill", "prefill", "run", "run"]  # the stored one, then a trace
+
+
+@pytest.mark.parametrize("kind", ["regular-file", "dangling-symlink"])
+def test_an_unusable_store_directory_is_warned_once_and_skipped(store, kind):
+  if kind == "regular-file":
+    store.write_text("not a directory")
+  else:
+    store.symlink_to(store.parent / "gone" / "programs")
+  with pytest.warns(RuntimeWarning) as record:  # two programs, one warning
+    out = jspec.generate(tiny.pair(5), tiny.prompt(1, 9), **SETTINGS)
+  messages = _runtime_warnings(record)
+  assert len(messages) == 1 and f"cannot use the program store {store}" in messages[0], messages
+  assert store.is_symlink() or store.read_text() == "not a directory"
+  assert not (store.parent / "gone").exists()
+  assert len(out.token_ids) == SETTINGS["max_new_tokens"]
+
+
+def _read_only(directory):
+  """Makes a directory read-only for this process, root included (chattr +i); None if it cannot."""
+  if os.geteuid() != 0:
+    directory.chmod(0o555)
+    return lambda: directory.chmod(0o755)
+  done = subprocess.run(["chattr", "+i", str(directory)], capture_output=True, check=False)
+  if done.returncode != 0:
+    return None
+  return lambda: subprocess.run(["chattr", "-i", str(directory)], check=True)
+
+
+def test_a_read_only_store_generates_without_storing_and_warns_once(store):
+  store.mkdir()
+  undo = _read_only(store)
+  if undo is None:
+    pytest.skip("no way to make a directory read-only for root here (chattr failed)")
+  try:
+    with pytest.warns(RuntimeWarning) as record:  # two programs, one warning
+      out = jspec.generate(tiny.pair(5), tiny.prompt(1, 9), **SETTINGS)
+  finally:
+    undo()
+  messages = _runtime_warnings(record)
+  assert len(messages) == 1 and f"cannot write the program store {store}" in messages[0], messages
+  assert list(store.iterdir()) == []
+  assert len(out.token_ids) == SETTINGS["max_new_tokens"]
+
+
+@pytest.fixture
+def no_xla_cache_yet(monkeypatch):
+  """The XLA cache unset, as in a new process (restored afterwards)."""
+  saved = {name: getattr(jax.config, name) for name in (
+      "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")}
+  jax.config.update("jax_compilation_cache_dir", None)
+  monkeypatch.setattr(program_store, "_warned", set())
+  monkeypatch.setenv("JSPEC_XLA_CACHE", "1")
+  yield
+  for name, value in saved.items():
+    jax.config.update(name, value)
+
+
+def test_a_compilation_cache_that_cannot_be_created_is_warned_once(no_xla_cache_yet, tmp_path,
+                                                                   monkeypatch):
+  (tmp_path / "a-file").write_text("")
+  monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "a-file" / "cache"))
+  with pytest.warns(RuntimeWarning) as record:
+    programs.enable_persistent_cache()
+    programs.enable_persistent_cache()  # every new program asks again
+  messages = _runtime_warnings(record)
+  assert len(messages) == 1 and "cannot create the jspec cache directory" in messages[0]
+  assert "compiling without a persistent cache" in messages[0]
+  assert jax.config.jax_compilation_cache_dir is None
+  assert program_store.store_dir() is None  # the store follows the XLA cache
+  monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
+  (tmp_path / "cache").mkdir()
+  (tmp_path / "cache" / "xla").write_text("")  # the cache exists, its xla entry is a file
+  monkeypatch.setattr(program_store, "_warned", set())
+  with pytest.warns(RuntimeWarning, match=r"cannot create the compilation cache directory .*xla"):
+    programs.enable_persistent_cache()
+  assert jax.config.jax_compilation_cache_dir is None
+
+
+def test_a_read_only_compilation_cache_is_read_without_writing(no_xla_cache_yet, tmp_path,
+                                                               monkeypatch):
+  monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
+  (tmp_path / "xla").mkdir()
+  undo = _read_only(tmp_path / "xla")
+  if undo is None:
+    pytest.skip("no way to make a directory read-only for root here (chattr failed)")
+  try:
+    with pytest.warns(RuntimeWarning, match="is not writable"):
+      programs.enable_persistent_cache()
+  finally:
+    undo()
+  assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")  # still read
+  # JAX writes no entry (it would warn about each one it failed to write).
+  assert jax.config.jax_persistent_cache_min_compile_time_secs == float("inf")
 
 
 def test_the_store_follows_the_xla_cache_switch(monkeypatch):
