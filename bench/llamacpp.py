@@ -65,6 +65,27 @@ CMAKE_OPTIONS = (
     "-DLLAMA_BUILD_SERVER=OFF",
     "-DLLAMA_BUILD_APP=OFF",
 )
+# On a CPU with AMX, GGML_NATIVE compiles ggml's AMX matmul, which crashed
+# (SIGSEGV at ldtilecfg in ggml_backend_amx_mul_mat, llama.cpp issue 20824)
+# on the first decode of the Q4_K_M pair here; without it ggml uses its
+# AVX-512 kernels and its CPU weight repacking.
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def cmake_options(flags: Optional[str] = None) -> tuple[str, ...]:
+  """The cmake options of a build on a CPU with these flags, AMX left out where it would be compiled in.
+
+  Args:
+    flags: CPU flags (default: `cpu_flags()` of this host).
+
+  Returns:
+    The options, CMAKE_OPTIONS first.
+  """
+  flags = cpu_flags() if flags is None else flags
+  if "amx_tile" not in flags.split():
+    return CMAKE_OPTIONS
+  return CMAKE_OPTIONS + (f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}")
+
 
 _MANIFEST = "build.json"
 _DOWNLOAD_TIMEOUT_S = 900
@@ -124,7 +145,7 @@ def build_key(flags: Optional[str] = None) -> str:
     "<version>-<machine>-<12 hex digits of a hash of the flags, options and targets>".
   """
   flags = cpu_flags() if flags is None else flags
-  digest = hashlib.sha256("\n".join([flags, *CMAKE_OPTIONS, *sorted(TARGETS)]).encode())
+  digest = hashlib.sha256("\n".join([flags, *cmake_options(flags), *sorted(TARGETS)]).encode())
   return f"{VERSION}-{platform.machine()}-{digest.hexdigest()[:12]}"
 
 
@@ -215,7 +236,7 @@ def _compile(source: pathlib.Path, build_dir: pathlib.Path, log: pathlib.Path, p
   """Configures and builds the targets; returns the directory holding the binaries."""
   generator = ["-G", "Ninja"] if found["ninja or make"].endswith("ninja") else []
   _run_step("cmake configure", [found["cmake"], "-S", str(source), "-B", str(build_dir),
-                                *generator, *CMAKE_OPTIONS], log, progress, _BUILD_TIMEOUT_S)
+                                *generator, *cmake_options()], log, progress, _BUILD_TIMEOUT_S)
   _run_step("cmake build", [found["cmake"], "--build", str(build_dir), "--config", "Release",
                             "-j", str(jobs), "--target", *TARGETS], log, progress,
             _BUILD_TIMEOUT_S)
@@ -270,7 +291,7 @@ def build(cache_dir: Optional[os.PathLike] = None, progress: bool = False,
             raise LlamaCppError(f"cmake build produced no {name} in {bin_dir}")
           shutil.copy2(bin_dir / name, staging / name)
         manifest = {"version": VERSION, "key": final.name, "sdist_sha256": SDIST_SHA256,
-                    "cmake_options": list(CMAKE_OPTIONS), "targets": list(TARGETS),
+                    "cmake_options": list(cmake_options()), "targets": list(TARGETS),
                     "build_seconds": round(time.monotonic() - start, 1),
                     "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "tools": found}
         (staging / _MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -299,15 +320,21 @@ _PERF_PATTERNS = {
 }
 _CODED = re.compile(r"(encoded|decoded)\s+(\d+) tokens in\s+" + _NUM + r" seconds, speed:\s*"
                     + _NUM + r" t/s")
-_SPEC_COUNTS = re.compile(r"^\s*(n_draft|n_predict|n_drafted|n_accept)\s*=\s*(\d+)\s*$", re.M)
-_SPEC_ACCEPT = re.compile(r"^\s*accept\s*=\s*" + _NUM + r"%", re.M)
+_SPEC_COUNTS = re.compile(r"^(n_draft|n_predict|n_drafted|n_accept)\s*=\s*(\d+)\s*$", re.M)
+_SPEC_ACCEPT = re.compile(r"^accept\s*=\s*" + _NUM + r"%", re.M)
 _SPEC_STATS = re.compile(r"statistics\s+(\S+):.*?#gen drafts =\s*(\d+), #acc drafts =\s*(\d+),"
                          r" #gen tokens =\s*(\d+), #acc tokens =\s*(\d+)"
                          r"(?:, #mean acc len =\s*" + _NUM + r")?")
 _PROMPT_COUNT = re.compile(r"number of tokens in prompt = (\d+)")
 _PROMPT_TOKEN = re.compile(r"^\s*(\d+) -> '", re.M)
-_EOG = re.compile(r"EOG token\s*=\s*(\d+) '([^'\n]*)'")
+# This version starts every log line with its time and level ("0.09.588.823 I ").
+_LOG_PREFIX = re.compile(r"^\d+(?:\.\d+)+ [A-Z] ", re.M)
 _END_OF_TEXT = " [end of text]\n"
+
+
+def _unprefix(log: str) -> str:
+  """Drops the time-and-level prefix of each log line, so the patterns read the lines as printed."""
+  return _LOG_PREFIX.sub("", log)
 
 
 def _num(text: str) -> Optional[float]:
@@ -325,9 +352,11 @@ def parse_perf(log: str) -> dict[str, Any]:
   Returns:
     Keys, each present only where its line was found: load_ms; prompt_eval_ms,
     prompt_eval_tokens, prompt_eval_tok_s; eval_ms, eval_runs, eval_tok_s;
-    total_ms, total_tokens; samples (tokens the sampler drew).
+    total_ms, total_tokens; samples (the sampler's count: llama-completion
+    counts the prompt's tokens in it too).
   """
   out: dict[str, Any] = {}
+  log = _unprefix(log)
   for kind, pattern in _PERF_PATTERNS.items():
     matches = pattern.findall(log)
     if not matches:
@@ -355,10 +384,12 @@ def parse_speculative(log: str) -> dict[str, Any]:
   Returns:
     Keys present where found: encoded_tokens, encode_s, encode_tok_s;
     decoded_tokens, decode_s, decode_tok_s; n_draft, n_predict, n_drafted,
-    n_accept; accept_pct; and from the statistics line gen_drafts,
-    acc_drafts, gen_tokens, acc_tokens, mean_acc_len.
+    n_accept; accept_pct; and, where it is printed (trace verbosity only),
+    from the statistics line spec_type, gen_drafts, acc_drafts, gen_tokens,
+    acc_tokens, mean_acc_len.
   """
   out: dict[str, Any] = {}
+  log = _unprefix(log)
   for kind, tokens, seconds, speed in _CODED.findall(log):
     prefix = "encode" if kind == "encoded" else "decode"
     out[f"{kind}_tokens"], out[f"{prefix}_s"] = int(tokens), _num(seconds)
@@ -385,27 +416,13 @@ def parse_prompt_tokens(log: str) -> Optional[list[int]]:
   Returns:
     The ids in order, or None where the listing is absent or shorter than the count it announces.
   """
+  log = _unprefix(log)
   m = _PROMPT_COUNT.search(log)
   if m is None:
     return None
   count = int(m.group(1))
   ids = [int(i) for i in _PROMPT_TOKEN.findall(log, m.end())[:count]]
   return ids if len(ids) == count else None
-
-
-def parse_eog(log: str) -> list[list[Any]]:
-  """Reads the end-of-generation tokens llama.cpp announces when loading, since they decide where it stops.
-
-  Args:
-    log: a tool's stderr.
-
-  Returns:
-    [[id, text], ...] in order, each id once.
-  """
-  seen: dict[int, str] = {}
-  for token_id, text in _EOG.findall(log):
-    seen.setdefault(int(token_id), text)
-  return [[i, t] for i, t in seen.items()]
 
 
 def completion_text(stdout: str) -> tuple[str, bool]:
@@ -495,8 +512,8 @@ def command(tools: Tools, model_path: os.PathLike, prompt_file: os.PathLike, n_p
             "--no-display-prompt", "--verbose-prompt"]
   if draft_max is None or draft_max < 1:
     raise ValueError(f"speculative decoding needs draft_max >= 1, got {draft_max!r}")
-  # llama-speculative-simple stops only once it has more than -n tokens, so it
-  # makes n_predict tokens when given n_predict - 1.
+  # llama-speculative-simple stops only once it has more than -n tokens: given
+  # n_predict - 1 it makes at least n_predict (more where a draft overshoots).
   return [str(tools.speculative_simple), *common, "-n", str(n_predict - 1),
           "-md", str(draft_path), "--spec-type", "draft-simple",
           "--spec-draft-n-max", str(draft_max), "-td", str(threads)]
@@ -525,8 +542,10 @@ def generate(tools: Tools, model_path: os.PathLike, prompt_text: str, n_predict:
     None otherwise), "timings" (`parse_perf`; with a draft, of the target's
     context), "speculative" (`parse_speculative`, or None), "tok_s_reported"
     (llama.cpp's eval tokens/s, or its decode speed with a draft), "wall_s"
-    (the whole process, model loading included), "tok_s_wall", "eog_tokens",
-    "command"}.
+    (the whole process, model loading included), "tok_s_wall", "command"}.
+    With a draft, llama-speculative-simple may make up to draft_max - 1
+    tokens more than n_predict (its last step's draft is not cut to the
+    budget); n_tokens and the text are what it made.
 
   Raises:
     ValueError: n_predict < 1, or a draft without draft_max >= 1.
@@ -563,17 +582,21 @@ def generate(tools: Tools, model_path: os.PathLike, prompt_text: str, n_predict:
     text, eog = completion_text(stdout)
     if "samples" not in perf:
       raise LlamaCppError(f"{name} printed no sampler count: {_tail(stderr)}")
-    n_tokens = perf["samples"] - eog
     spec, reported = None, perf.get("eval_tok_s")
     prompt_ids = parse_prompt_tokens(stderr)
     prompt_tokens = len(prompt_ids) if prompt_ids is not None else perf.get("prompt_eval_tokens")
+    if prompt_tokens is None:
+      raise LlamaCppError(f"{name} printed no prompt token count: {_tail(stderr)}")
+    # Its sampler count takes in the prompt's tokens and the end-of-generation one.
+    n_tokens = perf["samples"] - prompt_tokens - eog
   else:
     text = speculative_text(stdout, prompt_text)
     spec = parse_speculative(stderr)
     if "n_predict" not in spec:
       raise LlamaCppError(f"{name} printed no n_predict: {_tail(stderr)}")
-    # Its n_predict counts every token the target accepted, the end-of-generation one included.
-    eog = spec["n_predict"] < n_predict
+    # It stops once its n_predict (every token the target accepted, an
+    # end-of-generation one included) exceeds -n, or at end of generation.
+    eog = spec["n_predict"] <= n_predict - 1
     n_tokens = spec["n_predict"] - eog
     reported, prompt_ids = spec.get("decode_tok_s"), None
     prompt_tokens = spec.get("encoded_tokens")
@@ -590,7 +613,6 @@ def generate(tools: Tools, model_path: os.PathLike, prompt_text: str, n_predict:
       "tok_s_reported": reported,
       "wall_s": round(wall, 4),
       "tok_s_wall": round(n_tokens / wall, 3) if wall > 0 else None,
-      "eog_tokens": parse_eog(stderr),
       "command": argv,
   }
 
@@ -621,6 +643,22 @@ def prompt_text(prompt: Any, tokenizer: Any = None) -> str:
   if tokenizer is None:
     raise ValueError(f"prompt {prompt.name!r} goes through the chat template: pass a tokenizer")
   return tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}])
+
+
+def texts_agree(target: dict[str, Any], spec: dict[str, Any]) -> bool:
+  """Whether a speculative run's text is the target's, allowing for the tokens it makes past the budget.
+
+  Args:
+    target: a target-only `generate` result.
+    spec: a speculative `generate` result for the same prompt and budget.
+
+  Returns:
+    Equal texts where the target stopped at end of generation; else the
+    target's text a prefix of the speculative one.
+  """
+  if target["stopped_at_eog"]:
+    return spec["text"] == target["text"]
+  return spec["text"].startswith(target["text"])
 
 
 def _median(values: Sequence[Optional[float]]) -> Optional[float]:
@@ -686,10 +724,10 @@ def run_suite(tools: Tools, target_path: os.PathLike, draft_path: os.PathLike,
   Returns:
     {"kind": "llamacpp", "version", "build" (build.json), "config", "sweep"
     ([{"draft_max", "tok_s_reported", "tok_s_wall", "n_tokens", "accept_pct",
-    "same_text_as_target"}] on the first prompt), "draft_max" (the one
+    "agrees_with_target"}] on the first prompt), "draft_max" (the one
     kept), "prompts" ([{"name", "kind", "chat", "prompt_chars",
     "jspec_prompt_ids", "prompt_ids_equal", "target", "speculative" (each a
-    `generate` result), "same_text"}]), "medians" (`medians`), "complete"}.
+    `generate` result), "texts_agree" (`texts_agree`)}]), "medians" (`medians`), "complete"}.
   """
   doc: dict[str, Any] = {
       "kind": "llamacpp", "version": tools.version, "build": _manifest(tools),
@@ -719,7 +757,7 @@ def run_suite(tools: Tools, target_path: os.PathLike, draft_path: os.PathLike,
         doc["sweep"].append({"draft_max": n, "tok_s_reported": run["tok_s_reported"],
                              "tok_s_wall": run["tok_s_wall"], "n_tokens": run["n_tokens"],
                              "accept_pct": (run["speculative"] or {}).get("accept_pct"),
-                             "same_text_as_target": run["text"] == record["target"]["text"]})
+                             "agrees_with_target": texts_agree(record["target"], run)})
         say(f"{prompt.name}: draft_max {n}: {run['tok_s_reported']} tok/s reported, "
             f"{run['tok_s_wall']} wall, accept {(run['speculative'] or {}).get('accept_pct')}%")
       best = max(range(len(runs)), key=lambda i: runs[i]["tok_s_reported"] or 0.0)
@@ -731,7 +769,7 @@ def run_suite(tools: Tools, target_path: os.PathLike, draft_path: os.PathLike,
                                        draft_path, draft_max, timeout)
       say(f"{prompt.name}: speculative {record['speculative']['tok_s_reported']} tok/s reported, "
           f"{record['speculative']['tok_s_wall']} wall")
-    record["same_text"] = record["speculative"]["text"] == record["target"]["text"]
+    record["texts_agree"] = texts_agree(record["target"], record["speculative"])
     doc["prompts"].append(record)
     doc["medians"] = medians(doc["prompts"])
     if out is not None:

@@ -19,6 +19,170 @@ import pytest
 from bench import llamacpp
 from bench import prompts as prompts_lib
 
+# --- excerpts of the real tools' output --------------------------------------------------
+
+# llama-completion -m qwen2.5-coder-1.5b-instruct-q4_k_m.gguf -bf prompt.txt --no-escape -t 2
+#   --temp 0 --top-k 1 -c 512 -n 8 -no-cnv --no-display-prompt --verbose-prompt --no-repack
+# on the suite's first prompt (quicksort); stderr from the prompt listing on, without the
+# sampler parameter lines; the whole stdout.
+REAL_COMPLETION_STDERR = """\
+0.09.588.815 I llama_completion: prompt: 'def quicksort(arr):
+    \"\"\"Sort a list of numbers in ascending order with the quicksort algorithm.
+
+    Returns a new list; the input is not modified.
+    \"\"\"
+'
+0.09.588.819 I llama_completion: number of tokens in prompt = 35
+0.09.588.823 I    750 -> 'def'
+0.09.588.824 I   3974 -> ' quick'
+0.09.588.826 I   6860 -> 'sort'
+0.09.588.827 I  10939 -> '(arr'
+0.09.588.828 I    982 -> '):
+'
+0.09.588.829 I    262 -> '   '
+0.09.588.829 I   4210 -> ' \"\"\"'
+0.09.588.830 I  10231 -> 'Sort'
+0.09.588.831 I    264 -> ' a'
+0.09.588.832 I   1140 -> ' list'
+0.09.588.832 I    315 -> ' of'
+0.09.588.833 I   5109 -> ' numbers'
+0.09.588.834 I    304 -> ' in'
+0.09.588.835 I  35388 -> ' ascending'
+0.09.588.836 I   1973 -> ' order'
+0.09.588.837 I    448 -> ' with'
+0.09.588.837 I    279 -> ' the'
+0.09.588.838 I   3974 -> ' quick'
+0.09.588.838 I   6860 -> 'sort'
+0.09.588.839 I  12111 -> ' algorithm'
+0.09.588.840 I    382 -> '.
+
+'
+0.09.588.840 I    262 -> '   '
+0.09.588.841 I   5184 -> ' Returns'
+0.09.588.841 I    264 -> ' a'
+0.09.588.842 I    501 -> ' new'
+0.09.588.842 I   1140 -> ' list'
+0.09.588.843 I     26 -> ';'
+0.09.588.844 I    279 -> ' the'
+0.09.588.845 I   1946 -> ' input'
+0.09.588.845 I    374 -> ' is'
+0.09.588.846 I    537 -> ' not'
+0.09.588.847 I  10807 -> ' modified'
+0.09.588.847 I    624 -> '.
+'
+0.09.588.848 I    262 -> '   '
+0.09.588.849 I   3190 -> ' \"\"\"
+'
+0.09.588.849 I 
+0.09.588.862 I sampler seed: 2311550657
+0.09.588.889 I sampler params: 
+0.09.588.895 I sampler chain: logits -> ?penalties -> ?dry -> ?top-n-sigma -> top-k -> ?typical -> top-p -> min-p -> ?xtc -> temp-ext -> dist 
+0.09.588.896 I generate: n_ctx = 512, n_batch = 2048, n_predict = 8, n_keep = 0
+0.09.588.896 I 
+0.27.596.979 I common_perf_print:    sampling time =       4.17 ms
+0.27.596.982 I common_perf_print:    samplers time =       1.02 ms /    43 tokens
+0.27.596.986 I common_perf_print:        load time =    7782.33 ms
+0.27.596.989 I common_perf_print: prompt eval time =    7246.94 ms /    35 tokens (  207.06 ms per token,     4.83 tokens per second)
+0.27.596.992 I common_perf_print:        eval time =   10752.62 ms /     7 runs   ( 1536.09 ms per token,     0.65 tokens per second)
+0.27.596.993 I common_perf_print:       total time =   18011.94 ms /    42 tokens
+0.27.596.995 I common_perf_print: unaccounted time =       8.20 ms /   0.0 %      (total - sampling - prompt eval - eval) / (total)
+0.27.596.996 I common_perf_print:    graphs reused =          6
+"""
+REAL_COMPLETION_STDOUT = '    if len(arr) <= 1\n\n'
+
+# llama-speculative-simple, the same target and prompt, -n 7 -md qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+#   --spec-type draft-simple --spec-draft-n-max 4 -td 2: stderr from its summary on; stdout.
+REAL_SPECULATIVE_STDERR = """\
+0.42.778.622 I encoded   35 tokens in    8.885 seconds, speed:    3.939 t/s
+0.42.778.625 I decoded   12 tokens in   20.166 seconds, speed:    0.595 t/s
+0.42.778.625 I 
+0.42.778.626 I n_draft   = 4
+0.42.778.627 I n_predict = 12
+0.42.778.627 I n_drafted = 9
+0.42.778.628 I n_accept  = 9
+0.42.778.629 I accept    = 100.000%
+0.42.778.630 I 
+0.42.778.630 I draft:
+
+0.42.778.680 I 
+0.42.778.680 I target:
+
+0.42.778.683 I common_perf_print:    sampling time =      22.77 ms
+0.42.778.685 I common_perf_print:    samplers time =       1.91 ms /    12 tokens
+0.42.778.686 I common_perf_print:        load time =    5192.53 ms
+0.42.778.689 I common_perf_print: prompt eval time =   21445.79 ms /    48 tokens (  446.79 ms per token,     2.24 tokens per second)
+0.42.778.691 I common_perf_print:        eval time =       0.00 ms /     1 runs   (    0.00 ms per token,      inf tokens per second)
+0.42.778.693 I common_perf_print:       total time =   34373.38 ms /    49 tokens
+0.42.778.695 I common_perf_print: unaccounted time =   12904.82 ms /  37.5 %      (total - sampling - prompt eval - eval) / (total)
+0.42.778.695 I common_perf_print:    graphs reused =          1
+"""
+REAL_SPECULATIVE_STDOUT = '\n\ndef quicksort(arr):\n    """Sort a list of numbers in ascending order with the quicksort algorithm.\n\n    Returns a new list; the input is not modified.\n    """\n    if len(arr) <= 1:\n        return arr\n\n\n\n'
+
+
+def _unprefixed(log):
+  return "".join(line.split(" I ", 1)[1] if line[:1].isdigit() and " I " in line else line
+                 for line in log.splitlines(keepends=True))
+
+
+def test_parse_perf_reads_real_completion_timings():
+  perf = llamacpp.parse_perf(REAL_COMPLETION_STDERR)
+  assert perf == {"load_ms": 7782.33, "prompt_eval_ms": 7246.94, "prompt_eval_tokens": 35,
+                  "prompt_eval_tok_s": 4.83, "eval_ms": 10752.62, "eval_runs": 7,
+                  "eval_tok_s": 0.65, "total_ms": 18011.94, "total_tokens": 42, "samples": 43}
+  assert llamacpp.parse_perf(_unprefixed(REAL_COMPLETION_STDERR)) == perf  # older, unprefixed logs
+
+
+def test_parse_prompt_tokens_reads_the_real_listing_with_newline_pieces():
+  ids = llamacpp.parse_prompt_tokens(REAL_COMPLETION_STDERR)
+  assert len(ids) == 35
+  assert ids[:7] == [750, 3974, 6860, 10939, 982, 262, 4210]  # "):\n" is id 982
+  assert ids[-3:] == [624, 262, 3190]
+  assert llamacpp.parse_prompt_tokens(_unprefixed(REAL_COMPLETION_STDERR)) == ids
+  cut = REAL_COMPLETION_STDERR[:REAL_COMPLETION_STDERR.index("   3190 ->")]
+  assert llamacpp.parse_prompt_tokens(cut) is None  # fewer ids than announced
+  assert llamacpp.parse_prompt_tokens("no listing") is None
+
+
+def test_completion_text_real_and_end_of_text():
+  assert llamacpp.completion_text(REAL_COMPLETION_STDOUT) == ("    if len(arr) <= 1", False)
+  assert llamacpp.completion_text("    return 1\n [end of text]\n\n\n") == ("    return 1\n", True)
+  with pytest.raises(llamacpp.LlamaCppError, match="does not end"):
+    llamacpp.completion_text("cut short")
+
+
+def test_parse_speculative_reads_the_real_summary():
+  spec = llamacpp.parse_speculative(REAL_SPECULATIVE_STDERR)
+  assert spec == {"encoded_tokens": 35, "encode_s": 8.885, "encode_tok_s": 3.939,
+                  "decoded_tokens": 12, "decode_s": 20.166, "decode_tok_s": 0.595, "n_draft": 4,
+                  "n_predict": 12, "n_drafted": 9, "n_accept": 9, "accept_pct": 100.0}
+  assert llamacpp.parse_speculative(_unprefixed(REAL_SPECULATIVE_STDERR)) == spec
+  # The target's context counts the verification batches as prompt eval; 0 runs print inf.
+  perf = llamacpp.parse_perf(REAL_SPECULATIVE_STDERR)
+  assert perf["eval_runs"] == 1 and perf["eval_tok_s"] is None and perf["prompt_eval_tokens"] == 48
+
+
+def test_parse_speculative_reads_the_trace_statistics_line():
+  line = ("0.42.778.680 I statistics     draft-simple: #calls(b,g,a) =    1      3      3,"
+          " #gen drafts =      3, #acc drafts =     3, #gen tokens =      9, #acc tokens =     9,"
+          " #mean acc len = 4.00, #acc rate/pos = (1.000, 1.000)\n")
+  spec = llamacpp.parse_speculative(line)
+  assert spec == {"spec_type": "draft-simple", "gen_drafts": 3, "acc_drafts": 3, "gen_tokens": 9,
+                  "acc_tokens": 9, "mean_acc_len": 4.0}
+
+
+def test_speculative_text_strips_the_real_echo():
+  prompt = prompts_lib.SUITE[0].text
+  text = llamacpp.speculative_text(REAL_SPECULATIVE_STDOUT, prompt)
+  assert text == "    if len(arr) <= 1:\n        return arr"
+  # -n 7 asked for 8 tokens; the 4-token drafts ran on to 12, the target's 8 a prefix of them.
+  target = {"text": llamacpp.completion_text(REAL_COMPLETION_STDOUT)[0], "stopped_at_eog": False}
+  assert llamacpp.texts_agree(target, {"text": text})
+  with pytest.raises(llamacpp.LlamaCppError, match="did not echo the prompt"):
+    llamacpp.speculative_text(REAL_SPECULATIVE_STDOUT, prompt.replace("quicksort", "mergesort"))
+  with pytest.raises(llamacpp.LlamaCppError, match="does not end"):
+    llamacpp.speculative_text(REAL_SPECULATIVE_STDOUT[:-2], prompt)
+
+
 # --- a fake tool printing the same format ---------------------------------------------------
 
 _FAKE = r'''
@@ -41,32 +205,32 @@ if mode == "fail":
 n = int(opt("-n"))
 eog = mode == "eog"
 out, err = sys.stdout.write, sys.stderr.write
-err("print_info: EOG token        = 151643 '<|endoftext|>'\n")
-err("print_info: EOG token        = 151645 '<|im_end|>'\n")
+P = "0.09.588.819 I "  # the time-and-level prefix of this version's log lines
 if name == "llama-completion":
   made = 2 if eog else n
-  err(f"main: number of tokens in prompt = {len(prompt)}\n")
+  err(f"{P}llama_completion: number of tokens in prompt = {len(prompt)}\n")
   for b in prompt:
-    err(f"{b:6d} -> '{chr(b)}'\n")
+    err(f"{P}{b:6d} -> '{chr(b)}'\n")
   out("".join(f" t{i}" for i in range(made)) + (" [end of text]\n" if eog else "") + "\n\n")
-  samples = made + eog
-  err(f"common_perf_print:    sampling time =       1.00 ms\n"
-      f"common_perf_print:    samplers time =       0.50 ms / {samples:5d} tokens\n"
-      f"common_perf_print:        load time =     100.00 ms\n"
-      f"common_perf_print: prompt eval time =      50.00 ms / {len(prompt):5d} tokens ("
+  samples = len(prompt) + made + eog  # like the real tool: the prompt's tokens count too
+  err(f"{P}common_perf_print:    sampling time =       1.00 ms\n"
+      f"{P}common_perf_print:    samplers time =       0.50 ms / {samples:5d} tokens\n"
+      f"{P}common_perf_print:        load time =     100.00 ms\n"
+      f"{P}common_perf_print: prompt eval time =      50.00 ms / {len(prompt):5d} tokens ("
       f"    1.00 ms per token,  1000.00 tokens per second)\n"
-      f"common_perf_print:        eval time =     100.00 ms / {samples - 1:5d} runs   ("
+      f"{P}common_perf_print:        eval time =     100.00 ms / {made - 1:5d} runs   ("
       f"   10.00 ms per token,    25.00 tokens per second)\n"
-      f"common_perf_print:       total time =     300.00 ms / {len(prompt) + samples:5d} tokens\n")
+      f"{P}common_perf_print:       total time =     300.00 ms / {len(prompt) + made:5d} tokens\n")
 else:
   draft_max = int(opt("--spec-draft-n-max"))
-  made = 2 if eog else n + 1  # like the real tool: one more than -n
+  # Like the real tool: more than -n tokens, here two more than the least.
+  made = 2 if eog else n + 3
   speed = 500.0 if draft_max == 4 else 50.0 + draft_max
   out("\n\n" + prompt.decode("utf-8") + "".join(f" t{i}" for i in range(made)) + "\n\n")
-  err(f"encoded {len(prompt):4d} tokens in    0.100 seconds, speed:  100.000 t/s\n"
-      f"decoded {made + eog:4d} tokens in    1.000 seconds, speed: {speed:8.3f} t/s\n\n"
-      f"n_draft   = {draft_max}\nn_predict = {made + eog}\nn_drafted = 12\nn_accept  = 9\n"
-      f"accept    = 75.000%\n")
+  err(f"{P}encoded {len(prompt):4d} tokens in    0.100 seconds, speed:  100.000 t/s\n"
+      f"{P}decoded {made + eog:4d} tokens in    1.000 seconds, speed: {speed:8.3f} t/s\n{P}\n"
+      f"{P}n_draft   = {draft_max}\n{P}n_predict = {made + eog}\n{P}n_drafted = 12\n"
+      f"{P}n_accept  = 9\n{P}accept    = 75.000%\n")
   out("\n\n")
 '''
 
@@ -131,7 +295,6 @@ def test_generate_target_passes_the_prompt_exactly_and_greedy(fake_tools, gguf_f
   assert result["tok_s_reported"] == 25.0
   assert result["timings"]["prompt_eval_tok_s"] == 1000.0
   assert result["wall_s"] > 0 and result["tok_s_wall"] == pytest.approx(5 / result["wall_s"], 1e-2)
-  assert result["eog_tokens"] == [[151643, "<|endoftext|>"], [151645, "<|im_end|>"]]
 
 
 def test_generate_target_stops_at_eos(fake_tools, gguf_files, monkeypatch):
@@ -156,8 +319,8 @@ def test_generate_speculative_arguments_and_count(fake_tools, gguf_files):
   assert _value(argv, "-n") == "5"  # the tool makes one more than -n
   assert _value(argv, "--temp") == "0" and "--no-escape" in argv and "--ignore-eos" not in argv
   assert result["mode"] == "speculative" and result["draft_max"] == 8
-  assert result["text"] == " t0 t1 t2 t3 t4 t5"
-  assert result["n_tokens"] == 6 and result["stopped_at_eog"] is False
+  assert result["text"] == " t0 t1 t2 t3 t4 t5 t6 t7"  # what it made, past the 6 asked
+  assert result["n_tokens"] == 8 and result["stopped_at_eog"] is False
   assert result["tok_s_reported"] == 58.0
   assert result["speculative"]["n_accept"] == 9 and result["speculative"]["accept_pct"] == 75.0
   assert result["prompt_tokens"] == len(TRICKY_PROMPT.encode())
@@ -235,7 +398,7 @@ def test_run_suite_sweeps_on_the_first_prompt_and_writes_json(fake_tools, gguf_f
   assert chat_call["prompt"] == "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
   assert [r["name"] for r in doc["prompts"]] == ["one", "two", "three"]
   first = doc["prompts"][0]
-  assert first["speculative"]["draft_max"] == 4 and first["same_text"] is True
+  assert first["speculative"]["draft_max"] == 4 and first["texts_agree"] is True
   assert first["prompt_ids_equal"] is True
   assert doc["complete"] is True
   assert doc["medians"]["target"]["tok_s_reported"] == 25.0
@@ -270,6 +433,15 @@ def test_prompt_text_renders_chat_only_with_a_tokenizer():
   assert llamacpp.prompt_text(chat, _FakeTokenizer()).endswith("<|im_start|>assistant\n")
   with pytest.raises(ValueError, match="chat template"):
     llamacpp.prompt_text(chat)
+
+
+def test_texts_agree_allows_only_the_overshoot():
+  cut = {"text": " a b", "stopped_at_eog": False}
+  ended = {"text": " a b", "stopped_at_eog": True}
+  assert llamacpp.texts_agree(cut, {"text": " a b c"})
+  assert not llamacpp.texts_agree(cut, {"text": " a c d"})
+  assert llamacpp.texts_agree(ended, {"text": " a b"})
+  assert not llamacpp.texts_agree(ended, {"text": " a b c"})
 
 
 def test_medians_and_speedups():
@@ -410,3 +582,49 @@ def test_extract_vendor_takes_only_llama_cpp_and_refuses_escapes(tmp_path):
   with pytest.raises(llamacpp.LlamaCppError, match="cannot extract"):
     llamacpp._extract_vendor(sdist([prefix + "a.txt", prefix + "../../../../evil"]), tmp_path / "c")
   assert not (tmp_path / "evil").exists()
+
+
+# --- the real tools, where this host has them built --------------------------------------
+
+
+def _built_tools():
+  """The real tools from the user's jspec cache (conftest points JSPEC_CACHE at a temp dir)."""
+  import platformdirs
+  for root in (None, pathlib.Path(platformdirs.user_cache_dir("jspec")) / "llamacpp"):
+    tools = llamacpp.find_built(root)
+    if tools is not None:
+      return tools
+  return None
+
+
+@pytest.fixture(scope="module")
+def real_tools():
+  tools = _built_tools()
+  if tools is None:
+    pytest.skip("llama.cpp's tools are not built on this host (python -m bench.llamacpp builds"
+                " them, about 10 minutes on 2 cores)")
+  return tools
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, make_hf_model, write_gguf):
+  """A tiny random Qwen2 in a GGUF file llama.cpp loads (its head size must divide the width)."""
+  model = make_hf_model(seed=3, hidden_size=64, head_dim=16, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=37)
+  return write_gguf(tmp_path / "tiny.gguf", model)
+
+
+def test_real_tools_greedy_target_and_speculative_agree(real_tools, tiny_gguf):
+  from jspec import tokenizer as tokenizer_lib
+  prompt = 'def the(x):\n    """12 <|im_start|> the\\n"""\n'
+  target = llamacpp.generate(real_tools, tiny_gguf, prompt, 12, threads=1, timeout=120)
+  spec = llamacpp.generate(real_tools, tiny_gguf, prompt, 12, threads=1, draft_path=tiny_gguf,
+                           draft_max=3, timeout=120)
+  # llama.cpp's prompt ids are jspec's (the same GGUF vocabulary, special tokens parsed).
+  assert target["prompt_token_ids"] == tokenizer_lib.from_gguf(tiny_gguf).encode(prompt)
+  assert spec["prompt_tokens"] == target["prompt_tokens"]
+  assert target["n_tokens"] >= 1 and target["timings"]["prompt_eval_tokens"] == target["prompt_tokens"]
+  # A model drafting for itself: greedy speculative decoding is lossless.
+  assert llamacpp.texts_agree(target, spec) and spec["n_tokens"] >= target["n_tokens"]
+  assert spec["speculative"]["n_drafted"] >= spec["speculative"]["n_accept"] > 0
+  assert target["tok_s_reported"] is None or target["tok_s_reported"] > 0
