@@ -542,10 +542,12 @@ def generate(tools: Tools, model_path: os.PathLike, prompt_text: str, n_predict:
     None otherwise), "timings" (`parse_perf`; with a draft, of the target's
     context), "speculative" (`parse_speculative`, or None), "tok_s_reported"
     (llama.cpp's eval tokens/s, or its decode speed with a draft), "wall_s"
-    (the whole process, model loading included), "tok_s_wall", "command"}.
-    With a draft, llama-speculative-simple may make up to draft_max - 1
-    tokens more than n_predict (its last step's draft is not cut to the
-    budget); n_tokens and the text are what it made.
+    (the whole process, model loading included), "tok_s_wall",
+    "loadavg_1m" (the host's load when it started: other work on a shared
+    machine slows llama.cpp's spinning threads), "command"}.
+    With a draft, llama-speculative-simple may make up to draft_max tokens
+    more than n_predict (its last step's draft is not cut to the budget);
+    n_tokens and the text are what it made.
 
   Raises:
     ValueError: n_predict < 1, or a draft without draft_max >= 1.
@@ -563,6 +565,7 @@ def generate(tools: Tools, model_path: os.PathLike, prompt_text: str, n_predict:
     argv = command(tools, model_path, prompt_file, n_predict, threads, draft_path, draft_max,
                    _ctx_size(prompt_text, n_predict, draft_max or 0))
     name = pathlib.Path(argv[0]).name
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     start = time.perf_counter()
     try:
       proc = subprocess.run(argv, capture_output=True, timeout=timeout, check=False,
@@ -613,6 +616,7 @@ def generate(tools: Tools, model_path: os.PathLike, prompt_text: str, n_predict:
       "tok_s_reported": reported,
       "wall_s": round(wall, 4),
       "tok_s_wall": round(n_tokens / wall, 3) if wall > 0 else None,
+      "loadavg_1m": load,
       "command": argv,
   }
 

@@ -295,6 +295,7 @@ def test_generate_target_passes_the_prompt_exactly_and_greedy(fake_tools, gguf_f
   assert result["tok_s_reported"] == 25.0
   assert result["timings"]["prompt_eval_tok_s"] == 1000.0
   assert result["wall_s"] > 0 and result["tok_s_wall"] == pytest.approx(5 / result["wall_s"], 1e-2)
+  assert result["loadavg_1m"] >= 0
 
 
 def test_generate_target_stops_at_eos(fake_tools, gguf_files, monkeypatch):
