@@ -521,7 +521,8 @@ def command(tools: Tools, model_path: os.PathLike, prompt_file: os.PathLike, n_p
 
 def generate(tools: Tools, model_path: os.PathLike, prompt_text: str, n_predict: int,
              threads: int = 2, draft_path: Optional[os.PathLike] = None,
-             draft_max: Optional[int] = None, timeout: float = 900) -> dict[str, Any]:
+             draft_max: Optional[int] = None, timeout: float = 900,
+             env: Optional[dict[str, str]] = None) -> dict[str, Any]:
   """Runs one greedy llama.cpp generation, so that it can be set beside jspec's on the same prompt.
 
   Args:
@@ -534,6 +535,9 @@ def generate(tools: Tools, model_path: os.PathLike, prompt_text: str, n_predict:
     draft_path: the draft GGUF for speculative decoding, or None for the target alone.
     draft_max: tokens drafted per step (with draft_path).
     timeout: seconds before the process is killed.
+    env: variables set for the process on top of this one's (e.g.
+      OMP_WAIT_POLICY=PASSIVE: its OpenMP threads otherwise spin, which on
+      a machine busy with other work slowed 2 threads below 1).
 
   Returns:
     {"mode": "target" | "speculative", "draft_max", "text" (the continuation
@@ -544,7 +548,7 @@ def generate(tools: Tools, model_path: os.PathLike, prompt_text: str, n_predict:
     (llama.cpp's eval tokens/s, or its decode speed with a draft), "wall_s"
     (the whole process, model loading included), "tok_s_wall",
     "loadavg_1m" (the host's load when it started: other work on a shared
-    machine slows llama.cpp's spinning threads), "command"}.
+    machine slows llama.cpp's spinning threads), "env", "command"}.
     With a draft, llama-speculative-simple may make up to draft_max tokens
     more than n_predict (its last step's draft is not cut to the budget);
     n_tokens and the text are what it made.
@@ -569,7 +573,7 @@ def generate(tools: Tools, model_path: os.PathLike, prompt_text: str, n_predict:
     start = time.perf_counter()
     try:
       proc = subprocess.run(argv, capture_output=True, timeout=timeout, check=False,
-                            stdin=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
     except FileNotFoundError as e:
       raise LlamaCppError(f"{argv[0]} not found; run bench.llamacpp.build() first") from e
     except subprocess.TimeoutExpired as e:
@@ -617,6 +621,7 @@ def generate(tools: Tools, model_path: os.PathLike, prompt_text: str, n_predict:
       "wall_s": round(wall, 4),
       "tok_s_wall": round(n_tokens / wall, 3) if wall > 0 else None,
       "loadavg_1m": load,
+      "env": dict(env or {}),
       "command": argv,
   }
 
@@ -703,7 +708,8 @@ def _write_json(doc: dict[str, Any], path: pathlib.Path) -> None:
 def run_suite(tools: Tools, target_path: os.PathLike, draft_path: os.PathLike,
               prompts: Sequence[Any], max_new_tokens: int, out: Optional[pathlib.Path] = None,
               threads: int = 2, sweep: Sequence[int] = DEFAULT_SWEEP,
-              tokenizer: Any = None, timeout: float = 900, log: Any = None) -> dict[str, Any]:
+              tokenizer: Any = None, timeout: float = 900, log: Any = None,
+              env: Optional[dict[str, str]] = None) -> dict[str, Any]:
   """Runs llama.cpp target-only and speculative on each prompt, the draft length picked on the first.
 
   The draft lengths in `sweep` are all tried on the first prompt; the one
@@ -724,6 +730,7 @@ def run_suite(tools: Tools, target_path: os.PathLike, draft_path: os.PathLike,
       to compare with llama.cpp's).
     timeout: seconds per process.
     log: a text stream for progress lines, or None.
+    env: extra environment of every llama.cpp process (see `generate`).
 
   Returns:
     {"kind": "llamacpp", "version", "build" (build.json), "config", "sweep"
@@ -737,7 +744,7 @@ def run_suite(tools: Tools, target_path: os.PathLike, draft_path: os.PathLike,
       "kind": "llamacpp", "version": tools.version, "build": _manifest(tools),
       "config": {"target": str(target_path), "draft": str(draft_path),
                  "max_new_tokens": max_new_tokens, "threads": threads, "sweep": list(sweep),
-                 "greedy": "--temp 0 --top-k 1", "stop_at_eos": True},
+                 "greedy": "--temp 0 --top-k 1", "stop_at_eos": True, "env": dict(env or {})},
       "sweep": [], "draft_max": None, "prompts": [], "medians": None, "complete": False}
   say = (lambda msg: print(msg, file=log, flush=True)) if log else (lambda msg: None)
   draft_max = None
@@ -748,7 +755,7 @@ def run_suite(tools: Tools, target_path: os.PathLike, draft_path: os.PathLike,
     if tokenizer is not None:
       record["jspec_prompt_ids"] = list(tokenizer.encode(text))
     record["target"] = generate(tools, target_path, text, max_new_tokens, threads,
-                                timeout=timeout)
+                                timeout=timeout, env=env)
     if tokenizer is not None:
       record["prompt_ids_equal"] = record["target"]["prompt_token_ids"] == record["jspec_prompt_ids"]
     say(f"{prompt.name}: target {record['target']['n_tokens']} tokens, "
@@ -756,7 +763,8 @@ def run_suite(tools: Tools, target_path: os.PathLike, draft_path: os.PathLike,
     if index == 0:
       runs = []
       for n in sweep:
-        run = generate(tools, target_path, text, max_new_tokens, threads, draft_path, n, timeout)
+        run = generate(tools, target_path, text, max_new_tokens, threads, draft_path, n, timeout,
+                       env)
         runs.append(run)
         doc["sweep"].append({"draft_max": n, "tok_s_reported": run["tok_s_reported"],
                              "tok_s_wall": run["tok_s_wall"], "n_tokens": run["n_tokens"],
@@ -770,7 +778,7 @@ def run_suite(tools: Tools, target_path: os.PathLike, draft_path: os.PathLike,
       record["speculative"] = runs[best]
     else:
       record["speculative"] = generate(tools, target_path, text, max_new_tokens, threads,
-                                       draft_path, draft_max, timeout)
+                                       draft_path, draft_max, timeout, env)
       say(f"{prompt.name}: speculative {record['speculative']['tok_s_reported']} tok/s reported, "
           f"{record['speculative']['tok_s_wall']} wall")
     record["texts_agree"] = texts_agree(record["target"], record["speculative"])
@@ -823,6 +831,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="draft lengths tried on the first prompt (default: 2,4,8,16)")
   parser.add_argument("--timeout", type=float, default=900, help="seconds per llama.cpp process")
   parser.add_argument("--jobs", type=int, default=None, help="compile jobs (default: all CPUs)")
+  parser.add_argument("--omp-wait-policy", choices=("default", "active", "passive"),
+                      default="default",
+                      help="OMP_WAIT_POLICY of llama.cpp's OpenMP threads; passive suits a machine"
+                           " shared with other work (default: llama.cpp's own, spinning)")
   args = parser.parse_args(argv)
   try:
     sweep = [int(x) for x in args.sweep.split(",") if x.strip()]
@@ -845,8 +857,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     target = fetch.assemble(fetch.get_source(TARGET_MODEL))
     draft = fetch.assemble(fetch.get_source(DRAFT_MODEL))
     tok = tokenizer_lib.from_gguf(target)
+    env = ({} if args.omp_wait_policy == "default"
+           else {"OMP_WAIT_POLICY": args.omp_wait_policy.upper()})
     doc = run_suite(tools, target, draft, chosen, args.max_new_tokens, args.out, args.threads,
-                    sweep, tok, args.timeout, sys.stderr)
+                    sweep, tok, args.timeout, sys.stderr, env)
   except (LlamaCppError, fetch.FetchError) as e:
     print(f"llamacpp: {e}", file=sys.stderr)
     return 1

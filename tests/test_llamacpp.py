@@ -193,7 +193,8 @@ name = pathlib.Path(sys.argv[0]).name
 opt = lambda flag: argv[argv.index(flag) + 1]
 prompt = pathlib.Path(opt("-bf")).read_bytes()
 with open(os.environ["FAKE_LLAMA_LOG"], "a") as f:
-  f.write(json.dumps({"name": name, "argv": argv, "prompt": prompt.decode("utf-8")}) + "\n")
+  f.write(json.dumps({"name": name, "argv": argv, "prompt": prompt.decode("utf-8"),
+                      "omp": os.environ.get("OMP_WAIT_POLICY")}) + "\n")
 mode = os.environ.get("FAKE_LLAMA_MODE", "ok")
 if mode == "hang":
   sys.stderr.write("llama_model_loader: loaded meta data\n")
@@ -276,8 +277,10 @@ def _value(argv, flag):
 
 def test_generate_target_passes_the_prompt_exactly_and_greedy(fake_tools, gguf_files):
   tools, calls = fake_tools
-  result = llamacpp.generate(tools, gguf_files[0], TRICKY_PROMPT, 5, threads=3)
+  result = llamacpp.generate(tools, gguf_files[0], TRICKY_PROMPT, 5, threads=3,
+                             env={"OMP_WAIT_POLICY": "PASSIVE"})
   (call,) = calls()
+  assert call["omp"] == "PASSIVE" and result["env"] == {"OMP_WAIT_POLICY": "PASSIVE"}
   argv = call["argv"]
   assert call["name"] == "llama-completion"
   assert call["prompt"] == TRICKY_PROMPT
@@ -390,7 +393,9 @@ def test_run_suite_sweeps_on_the_first_prompt_and_writes_json(fake_tools, gguf_f
   tools, calls = fake_tools
   out = tmp_path / "res" / "llamacpp.json"
   doc = llamacpp.run_suite(tools, gguf_files[0], gguf_files[1], _suite_prompts(), 4, out,
-                           sweep=(2, 4, 8), tokenizer=_FakeTokenizer())
+                           sweep=(2, 4, 8), tokenizer=_FakeTokenizer(),
+                           env={"OMP_WAIT_POLICY": "PASSIVE"})
+  assert {c["omp"] for c in calls()} == {"PASSIVE"} and doc["config"]["env"]
   assert [s["draft_max"] for s in doc["sweep"]] == [2, 4, 8]
   assert doc["draft_max"] == 4  # the fake is fastest at 4
   spec_calls = [c for c in calls() if c["name"] == "llama-speculative-simple"]
