@@ -483,6 +483,50 @@ def _ctx_size(prompt: str, n_predict: int, draft_max: int) -> int:
   return max(512, -(-need // 256) * 256)
 
 
+_ATTEMPTS = 3
+
+
+def _finished(stdout: str, stderr: str, speculative: bool) -> bool:
+  """Whether a tool's output reached its last line (its logger may drop the end, see `_run_tool`)."""
+  if speculative:
+    return stdout.endswith("\n\n\n\n")
+  return "graphs reused" in stderr
+
+
+def _run_tool(argv: list[str], timeout: float, env: Optional[dict[str, str]],
+              speculative: bool) -> tuple[str, str, float, int]:
+  """Runs a tool, again where it exited cleanly but its output was cut short.
+
+  llama.cpp's logger writes from a thread that is not joined at exit (it
+  leaks the logger on purpose, llama.cpp issue 22142), so a process can exit
+  0 before its last lines are written; it happened in 3 of 60 runs of a tiny
+  model. Such a run is repeated, up to _ATTEMPTS times in all.
+
+  Returns:
+    (stdout, stderr, wall seconds of the run kept, attempts).
+  """
+  name = pathlib.Path(argv[0]).name
+  for attempt in range(1, _ATTEMPTS + 1):
+    start = time.perf_counter()
+    try:
+      proc = subprocess.run(argv, capture_output=True, timeout=timeout, check=False,
+                            stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+    except FileNotFoundError as e:
+      raise LlamaCppError(f"{argv[0]} not found; run bench.llamacpp.build() first") from e
+    except subprocess.TimeoutExpired as e:
+      stderr = (e.stderr or b"").decode("utf-8", "replace")
+      raise LlamaCppError(f"{name} timed out after {timeout:.0f} s: {_tail(stderr)}") from e
+    wall = time.perf_counter() - start
+    stdout = proc.stdout.decode("utf-8", "replace")
+    stderr = proc.stderr.decode("utf-8", "replace")
+    if proc.returncode != 0:
+      raise LlamaCppError(f"{name} exited with {proc.returncode}: {_tail(stderr)}")
+    if _finished(stdout, stderr, speculative):
+      return stdout, stderr, wall, attempt
+  raise LlamaCppError(f"{name} exited 0 without its last lines {_ATTEMPTS} times (llama.cpp's"
+                      f" logger drops lines at exit): {_tail(stderr)}")
+
+
 def command(tools: Tools, model_path: os.PathLike, prompt_file: os.PathLike, n_predict: int,
             threads: int = 2, draft_path: Optional[os.PathLike] = None,
             draft_max: Optional[int] = None, ctx_size: Optional[int] = None) -> list[str]:
@@ -548,7 +592,8 @@ def generate(tools: Tools, model_path: os.PathLike, prompt_text: str, n_predict:
     (llama.cpp's eval tokens/s, or its decode speed with a draft), "wall_s"
     (the whole process, model loading included), "tok_s_wall",
     "loadavg_1m" (the host's load when it started: other work on a shared
-    machine slows llama.cpp's spinning threads), "env", "command"}.
+    machine slows llama.cpp's spinning threads), "env", "attempts" (see
+    `_run_tool`), "command"}.
     With a draft, llama-speculative-simple may make up to draft_max tokens
     more than n_predict (its last step's draft is not cut to the budget);
     n_tokens and the text are what it made.
@@ -568,22 +613,9 @@ def generate(tools: Tools, model_path: os.PathLike, prompt_text: str, n_predict:
     prompt_file.write_bytes(prompt_text.encode("utf-8"))
     argv = command(tools, model_path, prompt_file, n_predict, threads, draft_path, draft_max,
                    _ctx_size(prompt_text, n_predict, draft_max or 0))
-    name = pathlib.Path(argv[0]).name
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    start = time.perf_counter()
-    try:
-      proc = subprocess.run(argv, capture_output=True, timeout=timeout, check=False,
-                            stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
-    except FileNotFoundError as e:
-      raise LlamaCppError(f"{argv[0]} not found; run bench.llamacpp.build() first") from e
-    except subprocess.TimeoutExpired as e:
-      stderr = (e.stderr or b"").decode("utf-8", "replace")
-      raise LlamaCppError(f"{name} timed out after {timeout:.0f} s: {_tail(stderr)}") from e
-    wall = time.perf_counter() - start
-  stdout = proc.stdout.decode("utf-8", "replace")
-  stderr = proc.stderr.decode("utf-8", "replace")
-  if proc.returncode != 0:
-    raise LlamaCppError(f"{name} exited with {proc.returncode}: {_tail(stderr)}")
+    stdout, stderr, wall, attempts = _run_tool(argv, timeout, env, draft_path is not None)
+  name = pathlib.Path(argv[0]).name
   perf = parse_perf(stderr)
   if draft_path is None:
     text, eog = completion_text(stdout)
@@ -622,6 +654,7 @@ def generate(tools: Tools, model_path: os.PathLike, prompt_text: str, n_predict:
       "tok_s_wall": round(n_tokens / wall, 3) if wall > 0 else None,
       "loadavg_1m": load,
       "env": dict(env or {}),
+      "attempts": attempts,
       "command": argv,
   }
 
