@@ -1,0 +1,661 @@
+"""bench.llamacpp: parsing llama.cpp's output, the command lines, the build's cache, a real run.
+
+The parse tests read excerpts captured from the real tools (llama.cpp vendored
+by llama-cpp-python 0.3.36, built by `bench.llamacpp.build`). A fake tool (a
+Python script printing the same format) checks `generate`'s arguments, its
+timeout and its errors without llama.cpp. The end-to-end test runs only where
+the real tools are already built.
+"""
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+from bench import llamacpp
+from bench import prompts as prompts_lib
+
+# --- excerpts of the real tools' output --------------------------------------------------
+
+# llama-completion -m qwen2.5-coder-1.5b-instruct-q4_k_m.gguf -bf prompt.txt --no-escape -t 2
+#   --temp 0 --top-k 1 -c 512 -n 8 -no-cnv --no-display-prompt --verbose-prompt --no-repack
+# on the suite's first prompt (quicksort); stderr from the prompt listing on, without the
+# sampler parameter lines; the whole stdout.
+REAL_COMPLETION_STDERR = """\
+0.09.588.815 I llama_completion: prompt: 'def quicksort(arr):
+    \"\"\"Sort a list of numbers in ascending order with the quicksort algorithm.
+
+    Returns a new list; the input is not modified.
+    \"\"\"
+'
+0.09.588.819 I llama_completion: number of tokens in prompt = 35
+0.09.588.823 I    750 -> 'def'
+0.09.588.824 I   3974 -> ' quick'
+0.09.588.826 I   6860 -> 'sort'
+0.09.588.827 I  10939 -> '(arr'
+0.09.588.828 I    982 -> '):
+'
+0.09.588.829 I    262 -> '   '
+0.09.588.829 I   4210 -> ' \"\"\"'
+0.09.588.830 I  10231 -> 'Sort'
+0.09.588.831 I    264 -> ' a'
+0.09.588.832 I   1140 -> ' list'
+0.09.588.832 I    315 -> ' of'
+0.09.588.833 I   5109 -> ' numbers'
+0.09.588.834 I    304 -> ' in'
+0.09.588.835 I  35388 -> ' ascending'
+0.09.588.836 I   1973 -> ' order'
+0.09.588.837 I    448 -> ' with'
+0.09.588.837 I    279 -> ' the'
+0.09.588.838 I   3974 -> ' quick'
+0.09.588.838 I   6860 -> 'sort'
+0.09.588.839 I  12111 -> ' algorithm'
+0.09.588.840 I    382 -> '.
+
+'
+0.09.588.840 I    262 -> '   '
+0.09.588.841 I   5184 -> ' Returns'
+0.09.588.841 I    264 -> ' a'
+0.09.588.842 I    501 -> ' new'
+0.09.588.842 I   1140 -> ' list'
+0.09.588.843 I     26 -> ';'
+0.09.588.844 I    279 -> ' the'
+0.09.588.845 I   1946 -> ' input'
+0.09.588.845 I    374 -> ' is'
+0.09.588.846 I    537 -> ' not'
+0.09.588.847 I  10807 -> ' modified'
+0.09.588.847 I    624 -> '.
+'
+0.09.588.848 I    262 -> '   '
+0.09.588.849 I   3190 -> ' \"\"\"
+'
+0.09.588.849 I 
+0.09.588.862 I sampler seed: 2311550657
+0.09.588.889 I sampler params: 
+0.09.588.895 I sampler chain: logits -> ?penalties -> ?dry -> ?top-n-sigma -> top-k -> ?typical -> top-p -> min-p -> ?xtc -> temp-ext -> dist 
+0.09.588.896 I generate: n_ctx = 512, n_batch = 2048, n_predict = 8, n_keep = 0
+0.09.588.896 I 
+0.27.596.979 I common_perf_print:    sampling time =       4.17 ms
+0.27.596.982 I common_perf_print:    samplers time =       1.02 ms /    43 tokens
+0.27.596.986 I common_perf_print:        load time =    7782.33 ms
+0.27.596.989 I common_perf_print: prompt eval time =    7246.94 ms /    35 tokens (  207.06 ms per token,     4.83 tokens per second)
+0.27.596.992 I common_perf_print:        eval time =   10752.62 ms /     7 runs   ( 1536.09 ms per token,     0.65 tokens per second)
+0.27.596.993 I common_perf_print:       total time =   18011.94 ms /    42 tokens
+0.27.596.995 I common_perf_print: unaccounted time =       8.20 ms /   0.0 %      (total - sampling - prompt eval - eval) / (total)
+0.27.596.996 I common_perf_print:    graphs reused =          6
+"""
+REAL_COMPLETION_STDOUT = '    if len(arr) <= 1\n\n'
+
+# llama-speculative-simple, the same target and prompt, -n 7 -md qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+#   --spec-type draft-simple --spec-draft-n-max 4 -td 2: stderr from its summary on; stdout.
+REAL_SPECULATIVE_STDERR = """\
+0.42.778.622 I encoded   35 tokens in    8.885 seconds, speed:    3.939 t/s
+0.42.778.625 I decoded   12 tokens in   20.166 seconds, speed:    0.595 t/s
+0.42.778.625 I 
+0.42.778.626 I n_draft   = 4
+0.42.778.627 I n_predict = 12
+0.42.778.627 I n_drafted = 9
+0.42.778.628 I n_accept  = 9
+0.42.778.629 I accept    = 100.000%
+0.42.778.630 I 
+0.42.778.630 I draft:
+
+0.42.778.680 I 
+0.42.778.680 I target:
+
+0.42.778.683 I common_perf_print:    sampling time =      22.77 ms
+0.42.778.685 I common_perf_print:    samplers time =       1.91 ms /    12 tokens
+0.42.778.686 I common_perf_print:        load time =    5192.53 ms
+0.42.778.689 I common_perf_print: prompt eval time =   21445.79 ms /    48 tokens (  446.79 ms per token,     2.24 tokens per second)
+0.42.778.691 I common_perf_print:        eval time =       0.00 ms /     1 runs   (    0.00 ms per token,      inf tokens per second)
+0.42.778.693 I common_perf_print:       total time =   34373.38 ms /    49 tokens
+0.42.778.695 I common_perf_print: unaccounted time =   12904.82 ms /  37.5 %      (total - sampling - prompt eval - eval) / (total)
+0.42.778.695 I common_perf_print:    graphs reused =          1
+"""
+REAL_SPECULATIVE_STDOUT = '\n\ndef quicksort(arr):\n    """Sort a list of numbers in ascending order with the quicksort algorithm.\n\n    Returns a new list; the input is not modified.\n    """\n    if len(arr) <= 1:\n        return arr\n\n\n\n'
+
+
+def _unprefixed(log):
+  return "".join(line.split(" I ", 1)[1] if line[:1].isdigit() and " I " in line else line
+                 for line in log.splitlines(keepends=True))
+
+
+def test_parse_perf_reads_real_completion_timings():
+  perf = llamacpp.parse_perf(REAL_COMPLETION_STDERR)
+  assert perf == {"load_ms": 7782.33, "prompt_eval_ms": 7246.94, "prompt_eval_tokens": 35,
+                  "prompt_eval_tok_s": 4.83, "eval_ms": 10752.62, "eval_runs": 7,
+                  "eval_tok_s": 0.65, "total_ms": 18011.94, "total_tokens": 42, "samples": 43}
+  assert llamacpp.parse_perf(_unprefixed(REAL_COMPLETION_STDERR)) == perf  # older, unprefixed logs
+
+
+def test_parse_prompt_tokens_reads_the_real_listing_with_newline_pieces():
+  ids = llamacpp.parse_prompt_tokens(REAL_COMPLETION_STDERR)
+  assert len(ids) == 35
+  assert ids[:7] == [750, 3974, 6860, 10939, 982, 262, 4210]  # "):\n" is id 982
+  assert ids[-3:] == [624, 262, 3190]
+  assert llamacpp.parse_prompt_tokens(_unprefixed(REAL_COMPLETION_STDERR)) == ids
+  cut = REAL_COMPLETION_STDERR[:REAL_COMPLETION_STDERR.index("   3190 ->")]
+  assert llamacpp.parse_prompt_tokens(cut) is None  # fewer ids than announced
+  assert llamacpp.parse_prompt_tokens("no listing") is None
+
+
+def test_completion_text_real_and_end_of_text():
+  assert llamacpp.completion_text(REAL_COMPLETION_STDOUT) == ("    if len(arr) <= 1", False)
+  assert llamacpp.completion_text("    return 1\n [end of text]\n\n\n") == ("    return 1\n", True)
+  with pytest.raises(llamacpp.LlamaCppError, match="does not end"):
+    llamacpp.completion_text("cut short")
+
+
+def test_parse_speculative_reads_the_real_summary():
+  spec = llamacpp.parse_speculative(REAL_SPECULATIVE_STDERR)
+  assert spec == {"encoded_tokens": 35, "encode_s": 8.885, "encode_tok_s": 3.939,
+                  "decoded_tokens": 12, "decode_s": 20.166, "decode_tok_s": 0.595, "n_draft": 4,
+                  "n_predict": 12, "n_drafted": 9, "n_accept": 9, "accept_pct": 100.0}
+  assert llamacpp.parse_speculative(_unprefixed(REAL_SPECULATIVE_STDERR)) == spec
+  # The target's context counts the verification batches as prompt eval; 0 runs print inf.
+  perf = llamacpp.parse_perf(REAL_SPECULATIVE_STDERR)
+  assert perf["eval_runs"] == 1 and perf["eval_tok_s"] is None and perf["prompt_eval_tokens"] == 48
+
+
+def test_parse_speculative_reads_the_trace_statistics_line():
+  line = ("0.42.778.680 I statistics     draft-simple: #calls(b,g,a) =    1      3      3,"
+          " #gen drafts =      3, #acc drafts =     3, #gen tokens =      9, #acc tokens =     9,"
+          " #mean acc len = 4.00, #acc rate/pos = (1.000, 1.000)\n")
+  spec = llamacpp.parse_speculative(line)
+  assert spec == {"spec_type": "draft-simple", "gen_drafts": 3, "acc_drafts": 3, "gen_tokens": 9,
+                  "acc_tokens": 9, "mean_acc_len": 4.0}
+
+
+def test_speculative_text_strips_the_real_echo():
+  prompt = prompts_lib.SUITE[0].text
+  text = llamacpp.speculative_text(REAL_SPECULATIVE_STDOUT, prompt)
+  assert text == "    if len(arr) <= 1:\n        return arr"
+  # -n 7 asked for 8 tokens; the 4-token drafts ran on to 12, the target's 8 a prefix of them.
+  target = {"text": llamacpp.completion_text(REAL_COMPLETION_STDOUT)[0], "stopped_at_eog": False}
+  assert llamacpp.texts_agree(target, {"text": text})
+  with pytest.raises(llamacpp.LlamaCppError, match="did not echo the prompt"):
+    llamacpp.speculative_text(REAL_SPECULATIVE_STDOUT, prompt.replace("quicksort", "mergesort"))
+  with pytest.raises(llamacpp.LlamaCppError, match="does not end"):
+    llamacpp.speculative_text(REAL_SPECULATIVE_STDOUT[:-2], prompt)
+
+
+# --- a fake tool printing the same format ---------------------------------------------------
+
+_FAKE = r'''
+import json, os, pathlib, sys, time
+
+argv = sys.argv[1:]
+name = pathlib.Path(sys.argv[0]).name
+opt = lambda flag: argv[argv.index(flag) + 1]
+prompt = pathlib.Path(opt("-bf")).read_bytes()
+with open(os.environ["FAKE_LLAMA_LOG"], "a") as f:
+  f.write(json.dumps({"name": name, "argv": argv, "prompt": prompt.decode("utf-8"),
+                      "omp": os.environ.get("OMP_WAIT_POLICY")}) + "\n")
+mode = os.environ.get("FAKE_LLAMA_MODE", "ok")
+if mode == "hang":
+  sys.stderr.write("llama_model_loader: loaded meta data\n")
+  sys.stderr.flush()
+  time.sleep(60)
+if mode == "fail":
+  sys.stderr.write("llama_model_load: error loading model: tensor 'output.weight' not found\n")
+  sys.exit(1)
+if mode.startswith("cut"):  # "cutN": the first N runs lose their last lines, as the real ones may
+  count_file = pathlib.Path(os.environ["FAKE_LLAMA_LOG"] + ".runs")
+  runs = int(count_file.read_text()) + 1 if count_file.exists() else 1
+  count_file.write_text(str(runs))
+  if runs <= int(mode[3:]):
+    sys.stderr.write("generate: n_ctx = 512, n_batch = 2048, n_predict = 8, n_keep = 0\n")
+    sys.exit(0)
+n = int(opt("-n"))
+eog = mode == "eog"
+out, err = sys.stdout.write, sys.stderr.write
+P = "0.09.588.819 I "  # the time-and-level prefix of this version's log lines
+if name == "llama-completion":
+  made = 2 if eog else n
+  err(f"{P}llama_completion: number of tokens in prompt = {len(prompt)}\n")
+  for b in prompt:
+    err(f"{P}{b:6d} -> '{chr(b)}'\n")
+  out("".join(f" t{i}" for i in range(made)) + (" [end of text]\n" if eog else "") + "\n\n")
+  samples = len(prompt) + made + eog  # like the real tool: the prompt's tokens count too
+  err(f"{P}common_perf_print:    sampling time =       1.00 ms\n"
+      f"{P}common_perf_print:    samplers time =       0.50 ms / {samples:5d} tokens\n"
+      f"{P}common_perf_print:        load time =     100.00 ms\n"
+      f"{P}common_perf_print: prompt eval time =      50.00 ms / {len(prompt):5d} tokens ("
+      f"    1.00 ms per token,  1000.00 tokens per second)\n"
+      f"{P}common_perf_print:        eval time =     100.00 ms / {made - 1:5d} runs   ("
+      f"   10.00 ms per token,    25.00 tokens per second)\n"
+      f"{P}common_perf_print:       total time =     300.00 ms / {len(prompt) + made:5d} tokens\n"
+      f"{P}common_perf_print:    graphs reused =          6\n")
+else:
+  draft_max = int(opt("--spec-draft-n-max"))
+  # Like the real tool: more than -n tokens, here two more than the least.
+  made = 2 if eog else n + 3
+  speed = 500.0 if draft_max == 4 else 50.0 + draft_max
+  out("\n\n" + prompt.decode("utf-8") + "".join(f" t{i}" for i in range(made)) + "\n\n")
+  err(f"{P}encoded {len(prompt):4d} tokens in    0.100 seconds, speed:  100.000 t/s\n"
+      f"{P}decoded {made + eog:4d} tokens in    1.000 seconds, speed: {speed:8.3f} t/s\n{P}\n"
+      f"{P}n_draft   = {draft_max}\n{P}n_predict = {made + eog}\n{P}n_drafted = 12\n"
+      f"{P}n_accept  = 9\n{P}accept    = 75.000%\n")
+  out("\n\n")
+'''
+
+
+@pytest.fixture
+def fake_tools(tmp_path, monkeypatch):
+  """Tools whose binaries are the fake script; returns (tools, read_calls)."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  paths = {}
+  for name, attr in llamacpp.TARGETS.items():
+    path = bin_dir / name
+    path.write_text(f"#!{sys.executable}\n" + _FAKE)
+    path.chmod(0o755)
+    paths[attr] = path
+  log = tmp_path / "calls.jsonl"
+  monkeypatch.setenv("FAKE_LLAMA_LOG", str(log))
+  monkeypatch.delenv("FAKE_LLAMA_MODE", raising=False)
+
+  def calls():
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+  return llamacpp.Tools(root=bin_dir, **paths), calls
+
+
+@pytest.fixture
+def gguf_files(tmp_path):
+  """Two stand-in model files (only their existence is checked before the fake runs)."""
+  target, draft = tmp_path / "target.gguf", tmp_path / "draft.gguf"
+  target.write_bytes(b"GGUF")
+  draft.write_bytes(b"GGUF")
+  return target, draft
+
+
+# Ends with a newline (llama.cpp's -f would drop it), holds a literal backslash-n
+# (escape processing would turn it into a newline), a quote and non-ASCII.
+TRICKY_PROMPT = 'def f(s):\n    """Split on \\n, café."""\n'
+
+
+def _value(argv, flag):
+  return argv[argv.index(flag) + 1]
+
+
+def test_generate_target_passes_the_prompt_exactly_and_greedy(fake_tools, gguf_files):
+  tools, calls = fake_tools
+  result = llamacpp.generate(tools, gguf_files[0], TRICKY_PROMPT, 5, threads=3,
+                             env={"OMP_WAIT_POLICY": "PASSIVE"})
+  (call,) = calls()
+  assert call["omp"] == "PASSIVE" and result["env"] == {"OMP_WAIT_POLICY": "PASSIVE"}
+  argv = call["argv"]
+  assert call["name"] == "llama-completion"
+  assert call["prompt"] == TRICKY_PROMPT
+  assert "--no-escape" in argv and "-no-cnv" in argv and "--no-display-prompt" in argv
+  assert _value(argv, "--temp") == "0" and _value(argv, "--top-k") == "1"
+  assert "--ignore-eos" not in argv and "-f" not in argv and "-p" not in argv
+  assert _value(argv, "-n") == "5" and _value(argv, "-t") == "3"
+  assert _value(argv, "-m") == str(gguf_files[0])
+  assert int(_value(argv, "-c")) >= len(TRICKY_PROMPT.encode()) + 5
+  assert result["mode"] == "target" and result["draft_max"] is None
+  assert result["text"] == " t0 t1 t2 t3 t4"
+  assert result["n_tokens"] == 5 and result["stopped_at_eog"] is False
+  assert result["prompt_token_ids"] == list(TRICKY_PROMPT.encode())
+  assert result["prompt_tokens"] == len(TRICKY_PROMPT.encode())
+  assert result["tok_s_reported"] == 25.0
+  assert result["timings"]["prompt_eval_tok_s"] == 1000.0
+  assert result["wall_s"] > 0 and result["tok_s_wall"] == pytest.approx(5 / result["wall_s"], 1e-2)
+  assert result["loadavg_1m"] >= 0 and result["attempts"] == 1
+
+
+def test_generate_target_stops_at_eos(fake_tools, gguf_files, monkeypatch):
+  tools, _ = fake_tools
+  monkeypatch.setenv("FAKE_LLAMA_MODE", "eog")
+  result = llamacpp.generate(tools, gguf_files[0], "x = ", 8)
+  assert result["text"] == " t0 t1"
+  assert result["n_tokens"] == 2 and result["stopped_at_eog"] is True
+
+
+def test_generate_speculative_arguments_and_count(fake_tools, gguf_files):
+  tools, calls = fake_tools
+  result = llamacpp.generate(tools, gguf_files[0], TRICKY_PROMPT, 6, threads=2,
+                             draft_path=gguf_files[1], draft_max=8)
+  (call,) = calls()
+  argv = call["argv"]
+  assert call["name"] == "llama-speculative-simple"
+  assert call["prompt"] == TRICKY_PROMPT
+  assert _value(argv, "-md") == str(gguf_files[1])
+  assert _value(argv, "--spec-type") == "draft-simple"
+  assert _value(argv, "--spec-draft-n-max") == "8" and _value(argv, "-td") == "2"
+  assert _value(argv, "-n") == "5"  # the tool makes one more than -n
+  assert _value(argv, "--temp") == "0" and "--no-escape" in argv and "--ignore-eos" not in argv
+  assert result["mode"] == "speculative" and result["draft_max"] == 8
+  assert result["text"] == " t0 t1 t2 t3 t4 t5 t6 t7"  # what it made, past the 6 asked
+  assert result["n_tokens"] == 8 and result["stopped_at_eog"] is False
+  assert result["tok_s_reported"] == 58.0
+  assert result["speculative"]["n_accept"] == 9 and result["speculative"]["accept_pct"] == 75.0
+  assert result["prompt_tokens"] == len(TRICKY_PROMPT.encode())
+
+
+def test_generate_speculative_stops_at_eos(fake_tools, gguf_files, monkeypatch):
+  tools, _ = fake_tools
+  monkeypatch.setenv("FAKE_LLAMA_MODE", "eog")
+  result = llamacpp.generate(tools, gguf_files[0], "x = ", 8, draft_path=gguf_files[1],
+                             draft_max=4)
+  assert result["text"] == " t0 t1"
+  assert result["n_tokens"] == 2 and result["stopped_at_eog"] is True
+
+
+def test_generate_timeout_names_the_tool_and_its_stderr(fake_tools, gguf_files, monkeypatch):
+  tools, _ = fake_tools
+  monkeypatch.setenv("FAKE_LLAMA_MODE", "hang")
+  with pytest.raises(llamacpp.LlamaCppError, match=r"llama-completion timed out after 2 s.*loaded meta"):
+    llamacpp.generate(tools, gguf_files[0], "x", 4, timeout=2)
+
+
+def test_generate_failure_gives_the_tail_of_stderr(fake_tools, gguf_files, monkeypatch):
+  tools, _ = fake_tools
+  monkeypatch.setenv("FAKE_LLAMA_MODE", "fail")
+  with pytest.raises(llamacpp.LlamaCppError,
+                     match=r"llama-speculative-simple exited with 1: .*'output.weight' not found"):
+    llamacpp.generate(tools, gguf_files[0], "x", 4, draft_path=gguf_files[1], draft_max=2)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_generate_reruns_a_run_whose_last_lines_were_lost(fake_tools, gguf_files, monkeypatch,
+                                                           speculative):
+  tools, calls = fake_tools
+  draft = {"draft_path": gguf_files[1], "draft_max": 2} if speculative else {}
+  monkeypatch.setenv("FAKE_LLAMA_MODE", "cut2")
+  result = llamacpp.generate(tools, gguf_files[0], "x = ", 3, **draft)
+  assert result["attempts"] == 3 and len(calls()) == 3
+  assert result["text"].startswith(" t0 t1 t2")
+
+
+def test_generate_gives_up_on_output_lost_every_time(fake_tools, gguf_files, monkeypatch):
+  tools, calls = fake_tools
+  monkeypatch.setenv("FAKE_LLAMA_MODE", "cut9")
+  with pytest.raises(llamacpp.LlamaCppError,
+                     match=r"llama-completion exited 0 without its last lines 3 times.*n_ctx = 512"):
+    llamacpp.generate(tools, gguf_files[0], "x = ", 3)
+  assert len(calls()) == 3
+
+
+def test_generate_refuses_missing_files_and_bad_arguments(fake_tools, gguf_files, tmp_path):
+  tools, calls = fake_tools
+  with pytest.raises(llamacpp.LlamaCppError, match="no GGUF file at .*missing.gguf"):
+    llamacpp.generate(tools, tmp_path / "missing.gguf", "x", 4)
+  with pytest.raises(llamacpp.LlamaCppError, match="no GGUF file at .*nodraft.gguf"):
+    llamacpp.generate(tools, gguf_files[0], "x", 4, draft_path=tmp_path / "nodraft.gguf",
+                      draft_max=2)
+  with pytest.raises(ValueError, match="n_predict"):
+    llamacpp.generate(tools, gguf_files[0], "x", 0)
+  with pytest.raises(ValueError, match="draft_max"):
+    llamacpp.generate(tools, gguf_files[0], "x", 4, draft_path=gguf_files[1])
+  gone = llamacpp.Tools(root=tmp_path, completion=tmp_path / "nope", speculative_simple=tmp_path,
+                        speculative=tmp_path, bench=tmp_path, tokenize=tmp_path)
+  with pytest.raises(llamacpp.LlamaCppError, match="nope not found"):
+    llamacpp.generate(gone, gguf_files[0], "x", 4)
+  assert calls() == []
+
+
+def _suite_prompts():
+  return [prompts_lib.Prompt("one", "code", "def one():\n"),
+          prompts_lib.Prompt("two", "chat", "Say hi.", chat=True),
+          prompts_lib.Prompt("three", "code", "def three():\n")]
+
+
+class _FakeTokenizer:
+  """Renders chat as '<|im_start|>user\\n...' and encodes to UTF-8 bytes (as the fake tool does)."""
+
+  def apply_chat_template(self, messages):
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + \
+        "<|im_start|>assistant\n"
+
+  def encode(self, text):
+    return list(text.encode("utf-8"))
+
+
+def test_run_suite_sweeps_on_the_first_prompt_and_writes_json(fake_tools, gguf_files, tmp_path):
+  tools, calls = fake_tools
+  out = tmp_path / "res" / "llamacpp.json"
+  doc = llamacpp.run_suite(tools, gguf_files[0], gguf_files[1], _suite_prompts(), 4, out,
+                           sweep=(2, 4, 8), tokenizer=_FakeTokenizer(),
+                           env={"OMP_WAIT_POLICY": "PASSIVE"})
+  assert {c["omp"] for c in calls()} == {"PASSIVE"} and doc["config"]["env"]
+  assert [s["draft_max"] for s in doc["sweep"]] == [2, 4, 8]
+  assert doc["draft_max"] == 4  # the fake is fastest at 4
+  spec_calls = [c for c in calls() if c["name"] == "llama-speculative-simple"]
+  assert [_value(c["argv"], "--spec-draft-n-max") for c in spec_calls] == ["2", "4", "8", "4", "4"]
+  chat_call = [c for c in calls() if c["name"] == "llama-completion"][1]
+  assert chat_call["prompt"] == "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+  assert [r["name"] for r in doc["prompts"]] == ["one", "two", "three"]
+  first = doc["prompts"][0]
+  assert first["speculative"]["draft_max"] == 4 and first["texts_agree"] is True
+  assert first["prompt_ids_equal"] is True
+  assert doc["complete"] is True
+  assert doc["medians"]["target"]["tok_s_reported"] == 25.0
+  assert doc["medians"]["speculative"]["tok_s_reported"] == 500.0
+  assert doc["medians"]["speedup_reported"] == 20.0
+  assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+  assert sorted(p.name for p in out.parent.iterdir()) == ["llamacpp.json"]  # no temp file left
+
+
+def test_run_suite_keeps_whole_prompts_when_a_later_one_fails(fake_tools, gguf_files, tmp_path,
+                                                              monkeypatch):
+  tools, _ = fake_tools
+  out = tmp_path / "llamacpp.json"
+  real = llamacpp.generate
+
+  def failing(tools, model, text, *args, **kwargs):
+    if "three" in text:
+      raise llamacpp.LlamaCppError("boom")
+    return real(tools, model, text, *args, **kwargs)
+
+  monkeypatch.setattr(llamacpp, "generate", failing)
+  with pytest.raises(llamacpp.LlamaCppError, match="boom"):
+    llamacpp.run_suite(tools, gguf_files[0], gguf_files[1], _suite_prompts(), 3, out,
+                       sweep=(2,), tokenizer=_FakeTokenizer())
+  doc = json.loads(out.read_text())
+  assert [r["name"] for r in doc["prompts"]] == ["one", "two"] and doc["complete"] is False
+
+
+def test_prompt_text_renders_chat_only_with_a_tokenizer():
+  code, chat = _suite_prompts()[:2]
+  assert llamacpp.prompt_text(code) == code.text
+  assert llamacpp.prompt_text(chat, _FakeTokenizer()).endswith("<|im_start|>assistant\n")
+  with pytest.raises(ValueError, match="chat template"):
+    llamacpp.prompt_text(chat)
+
+
+def test_texts_agree_allows_only_the_overshoot():
+  cut = {"text": " a b", "stopped_at_eog": False}
+  ended = {"text": " a b", "stopped_at_eog": True}
+  assert llamacpp.texts_agree(cut, {"text": " a b c"})
+  assert not llamacpp.texts_agree(cut, {"text": " a c d"})
+  assert llamacpp.texts_agree(ended, {"text": " a b"})
+  assert not llamacpp.texts_agree(ended, {"text": " a b c"})
+
+
+def test_medians_and_speedups():
+  rec = lambda t, s: {"target": {"tok_s_reported": t, "tok_s_wall": t / 2, "n_tokens": 8},
+                      "speculative": {"tok_s_reported": s, "tok_s_wall": s / 4, "n_tokens": 8}}
+  m = llamacpp.medians([rec(10.0, 20.0), rec(20.0, 30.0), rec(30.0, 90.0)])
+  assert m["target"]["tok_s_reported"] == 20.0 and m["speculative"]["tok_s_reported"] == 30.0
+  assert m["speedup_reported"] == 2.0 and m["speedup_wall"] == 1.0
+  assert m["target"]["prompts"] == 3
+
+
+def test_main_rejects_bad_arguments_before_building(monkeypatch, capsys):
+  monkeypatch.setattr(llamacpp, "build", lambda **kw: pytest.fail("built"))
+  for argv in (["--sweep", "0,4"], ["--sweep", "a"], ["--max-new-tokens", "0"],
+               ["--prompts", "no_such_prompt"]):
+    with pytest.raises(SystemExit) as e:
+      llamacpp.main(argv)
+    assert e.value.code == 2
+
+
+# --- the build's cache -----------------------------------------------------------------------
+
+
+def test_build_key_names_version_and_changes_with_cpu_flags():
+  key = llamacpp.build_key("avx2 fma sse4_2")
+  assert key.startswith(f"{llamacpp.VERSION}-")
+  assert key == llamacpp.build_key("avx2 fma sse4_2")
+  assert key != llamacpp.build_key("avx2 avx512f fma sse4_2")
+  assert llamacpp.build_key() == llamacpp.build_key(llamacpp.cpu_flags())
+
+
+def _fake_binaries(directory, names=None):
+  directory.mkdir(parents=True, exist_ok=True)
+  for name in names or llamacpp.TARGETS:
+    (directory / name).write_text("#!/bin/sh\n")
+    (directory / name).chmod(0o755)
+  return directory
+
+
+@pytest.fixture
+def fake_pipeline(monkeypatch):
+  """Replaces download, extraction and compilation; returns the list of compile calls."""
+  compiled = []
+  produce = {"names": None}
+
+  def compile_(source, build_dir, log, progress, jobs, found):
+    compiled.append(jobs)
+    return _fake_binaries(build_dir / "bin", produce["names"])
+
+  monkeypatch.setattr(llamacpp, "_download_sdist", lambda d, log, progress: d / "x.tar.gz")
+  monkeypatch.setattr(llamacpp, "_extract_vendor", lambda sdist, d: d)
+  monkeypatch.setattr(llamacpp, "_compile", compile_)
+  return compiled, produce
+
+
+def test_build_builds_once_then_returns_the_cached_tools(tmp_path, fake_pipeline, monkeypatch):
+  compiled, _ = fake_pipeline
+  tools = llamacpp.build(cache_dir=tmp_path, jobs=2)
+  assert compiled == [2]
+  assert tools.root == tmp_path / llamacpp.build_key()
+  assert tools.completion == tools.root / "llama-completion" and tools.completion.is_file()
+  manifest = json.loads((tools.root / "build.json").read_text())
+  assert manifest["version"] == llamacpp.VERSION and manifest["key"] == tools.root.name
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted([tools.root.name,
+                                                               tools.root.name + ".lock"])
+  monkeypatch.setattr(llamacpp.subprocess, "run", lambda *a, **k: pytest.fail("ran a process"))
+  assert llamacpp.build(cache_dir=tmp_path) == tools
+  assert compiled == [2]
+  assert llamacpp.find_built(tmp_path) == tools
+
+
+def test_build_never_leaves_a_half_built_directory(tmp_path, fake_pipeline):
+  compiled, produce = fake_pipeline
+  produce["names"] = ["llama-completion", "llama-bench"]
+  with pytest.raises(llamacpp.LlamaCppError, match="produced no llama-speculative-simple"):
+    llamacpp.build(cache_dir=tmp_path)
+  assert [p.name for p in tmp_path.iterdir()] == [llamacpp.build_key() + ".lock"]
+  assert llamacpp.find_built(tmp_path) is None
+
+
+def test_build_replaces_an_incomplete_directory(tmp_path, fake_pipeline):
+  compiled, _ = fake_pipeline
+  stale = _fake_binaries(tmp_path / llamacpp.build_key(), ["llama-completion"])
+  (stale / "build.json").write_text("{}")
+  tools = llamacpp.build(cache_dir=tmp_path)
+  assert compiled and tools.tokenize.is_file()
+
+
+def test_build_names_missing_cmake_and_compiler(tmp_path, monkeypatch):
+  monkeypatch.setattr(llamacpp.shutil, "which",
+                      lambda name: None if name in ("cmake", "c++", "g++", "clang++") else "/x/" + name)
+  with pytest.raises(llamacpp.LlamaCppError, match=r"no cmake, no C\+\+ compiler on PATH"):
+    llamacpp.build(cache_dir=tmp_path)
+
+
+def test_build_reports_a_refused_download(tmp_path, monkeypatch):
+  pip = tmp_path / "python"
+  pip.write_text("#!/bin/sh\necho 'ERROR: No matching distribution found for llama-cpp-python' >&2\n"
+                 "exit 1\n")
+  pip.chmod(0o755)
+  monkeypatch.setattr(llamacpp.sys, "executable", str(pip))
+  cache = tmp_path / "cache"
+  with pytest.raises(llamacpp.LlamaCppError,
+                     match=r"pip download of llama-cpp-python==0.3.36 failed \(exit 1\): .*No matching"):
+    llamacpp.build(cache_dir=cache)
+  assert [p.name for p in cache.iterdir()] == [llamacpp.build_key() + ".lock"]
+
+
+def test_build_refuses_an_sdist_with_the_wrong_hash(tmp_path, monkeypatch):
+  pip = tmp_path / "python"
+  pip.write_text(f"#!/bin/sh\nfor a; do d=$a; done\nmkdir -p $d\necho junk > $d/{llamacpp.SDIST_NAME}\n")
+  pip.chmod(0o755)
+  monkeypatch.setattr(llamacpp.sys, "executable", str(pip))
+  with pytest.raises(llamacpp.LlamaCppError, match=r"has sha256 \w+, expected 832db069"):
+    llamacpp.build(cache_dir=tmp_path / "cache")
+
+
+def test_extract_vendor_takes_only_llama_cpp_and_refuses_escapes(tmp_path):
+  import io
+  import tarfile
+
+  def sdist(members):
+    path = tmp_path / f"s{len(list(tmp_path.iterdir()))}.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+      for name in members:
+        info = tarfile.TarInfo(name)
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"ok"))
+    return path
+
+  prefix = llamacpp._VENDOR_PREFIX  # pylint: disable=protected-access
+  src = llamacpp._extract_vendor(sdist([prefix + "CMakeLists.txt", "llama_cpp_python-0.3.36/setup.py"]),
+                                 tmp_path / "a")
+  assert (src / "CMakeLists.txt").read_text() == "ok"
+  assert not (tmp_path / "a" / "llama_cpp_python-0.3.36" / "setup.py").exists()
+  with pytest.raises(llamacpp.LlamaCppError, match="holds no"):
+    llamacpp._extract_vendor(sdist(["other/CMakeLists.txt"]), tmp_path / "b")
+  with pytest.raises(llamacpp.LlamaCppError, match="cannot extract"):
+    llamacpp._extract_vendor(sdist([prefix + "a.txt", prefix + "../../../../evil"]), tmp_path / "c")
+  assert not (tmp_path / "evil").exists()
+
+
+# --- the real tools, where this host has them built --------------------------------------
+
+
+def _built_tools():
+  """The real tools from the user's jspec cache (conftest points JSPEC_CACHE at a temp dir)."""
+  import platformdirs
+  for root in (None, pathlib.Path(platformdirs.user_cache_dir("jspec")) / "llamacpp"):
+    tools = llamacpp.find_built(root)
+    if tools is not None:
+      return tools
+  return None
+
+
+@pytest.fixture(scope="module")
+def real_tools():
+  tools = _built_tools()
+  if tools is None:
+    pytest.skip("llama.cpp's tools are not built on this host (python -m bench.llamacpp builds"
+                " them: 20 to 30 minutes on 2 shared cores)")
+  return tools
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, make_hf_model, write_gguf):
+  """A tiny random Qwen2 in a GGUF file llama.cpp loads (its head size must divide the width)."""
+  model = make_hf_model(seed=3, hidden_size=64, head_dim=16, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=37)
+  return write_gguf(tmp_path / "tiny.gguf", model)
+
+
+def test_real_tools_greedy_target_and_speculative_agree(real_tools, tiny_gguf):
+  from jspec import tokenizer as tokenizer_lib
+  prompt = 'def the(x):\n    """12 <|im_start|> the\\n"""\n'
+  target = llamacpp.generate(real_tools, tiny_gguf, prompt, 12, threads=1, timeout=120)
+  spec = llamacpp.generate(real_tools, tiny_gguf, prompt, 12, threads=1, draft_path=tiny_gguf,
+                           draft_max=3, timeout=120)
+  # llama.cpp's prompt ids are jspec's (the same GGUF vocabulary, special tokens parsed).
+  assert target["prompt_token_ids"] == tokenizer_lib.from_gguf(tiny_gguf).encode(prompt)
+  assert spec["prompt_tokens"] == target["prompt_tokens"]
+  assert target["n_tokens"] >= 1 and target["timings"]["prompt_eval_tokens"] == target["prompt_tokens"]
+  # A model drafting for itself: greedy speculative decoding is lossless.
+  assert llamacpp.texts_agree(target, spec) and spec["n_tokens"] >= target["n_tokens"]
+  assert spec["speculative"]["n_drafted"] >= spec["speculative"]["n_accept"] > 0
+  assert target["tok_s_reported"] is None or target["tok_s_reported"] > 0
