@@ -69,6 +69,12 @@ def test_stream_json_and_generate_agree_with_stats(pair, bundle, capsys):
   assert (got["settings"]["target"], got["settings"]["draft_model"]) == tuple(map(str, pair))
 
 
+def test_text_that_is_not_unicode_is_a_value_error_in_the_api(bundle):
+  with pytest.raises(ValueError, match="not valid Unicode text: surrogates not allowed at "
+                                       "position 1"):
+    jspec.generate(bundle, "a\ud800b", max_new_tokens=2)
+
+
 def test_sampling_options_match_generate(pair, bundle, capsys):
   options = dict(temperature=0.8, top_p=0.9, top_k=50, seed=7, gamma=3, max_new_tokens=10)
   want = jspec.generate(bundle, PROMPT, **options)

@@ -149,7 +149,14 @@ def test_not_gguf_magic(tmp_path):
     (lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
      ("rope_type", "yarn")),
     (lambda c: c.update(rope_scaling={"type": "yarn", "factor": 4.0}), ("yarn",)),
-], ids=["llama", "sliding-window", "yarn", "yarn-legacy"])
+    # Numbers float32 cannot compute with: a negative eps makes RMSNorm's
+    # rsqrt NaN, and every logit with it (token 0 everywhere).
+    (lambda c: c.update(rms_norm_eps=-1), ("rms_norm_eps=-1", "(0, 1)")),
+    (lambda c: c.update(rms_norm_eps=0), ("rms_norm_eps=0",)),
+    (lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": -5.0}),
+     ("rope_theta=-5.0",)),
+], ids=["llama", "sliding-window", "yarn", "yarn-legacy", "eps-negative", "eps-zero",
+        "theta-negative"])
 def test_unsupported_config(good_dir, tmp_path, edit, words):
   bad = _copy_dir(good_dir, tmp_path / "bad", edit_config=edit)
   _raises(bad, *words, error=config_lib.ConfigError)
