@@ -47,25 +47,6 @@ def bucket(n: int) -> int:
   return max(MIN_BUCKET, 1 << (n - 1).bit_length())
 
 
-def prefill_width(n: int) -> int:
-  """The padded prompt width prefill computes: `n` rounded up to an eighth of its `bucket`.
-
-  Prefill costs in proportion to the positions it computes, and a long
-  prompt's prefill is a large part of a generation, so it is padded to at
-  most 1/8 (at least 16) past its length, not to the next power of two
-  (docs/decisions.md, "Prefill width"). Only prefill is compiled per such
-  width: the decode loop's buffers follow `bucket`, so its program is shared.
-
-  Args:
-    n: the longest prompt's length.
-
-  Returns:
-    The prompt width, at most `bucket(n)`.
-  """
-  step = max(MIN_BUCKET, bucket(n) // 8)
-  return -(-n // step) * step
-
-
 def is_single(prompt: Any) -> bool:
   """Whether `prompt` is one prompt (text or token ids) rather than a batch of them."""
   if isinstance(prompt, str):
@@ -173,8 +154,10 @@ def request(bundle: bundle_lib.Bundle, prompt: Union[Prompt, Sequence[Prompt]],
   eos = ()
   if options.stop_at_eos:
     eos = tuple(getattr(bundle.tokenizer, "eos_token_ids", ()) or bundle.target.cfg.eos_token_ids)
+  # Only the buffer width (powers of two) selects the programs: prefill runs the
+  # prompt in chunks, as far as the longest prompt goes (`decode.encode`).
   width = decode.buffer_width(bucket(longest), bucket(options.max_new_tokens), spec.gamma_max)
-  padded = np.zeros((len(ids), prefill_width(longest)), np.int32)
+  padded = np.zeros((len(ids), bucket(longest)), np.int32)
   for r, row in enumerate(ids):
     padded[r, :len(row)] = row
   draft_params = bundle.draft.params if spec.draft is not None else None

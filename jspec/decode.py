@@ -17,8 +17,10 @@ Rollback is a change of lengths: after each round the target cache is set to
 hold every token but the last, whatever the verify wrote past that is masked
 and later overwritten. Rows advance by their own accepted counts.
 
-A generation is two programs: `prefill` (per prompt-length bucket) and `run`
-(the while_loop, resumable with a round limit, which is how streaming works).
+A generation is two programs: `prefill` (the prompt in fixed-size chunks)
+and `run` (the while_loop, resumable with a round limit, which is how
+streaming works). Both are compiled per buffer width, a power of two: a new
+prompt length within it compiles nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ DRAFT_METHODS = ("model", "lookup_model")  # the methods that run a draft model
 LOOKUP_METHODS = ("prompt_lookup", "lookup_model")
 POLICIES = ("fixed", "heuristic", "confidence")
 STOPPING_POLICIES = ("confidence",)  # stop drafting on the draft's own probabilities
+# Prompt tokens per prefill forward (`encode`); prompt widths are powers of
+# two, so every width at least this is a multiple of it.
+PREFILL_CHUNK = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,12 +360,9 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
     knobs = spec.knobs()
   samp = _sampling(spec, knobs)
   tcache = cache_lib.init(spec.target.cfg, b, width, spec.target.backend.dtype)
-  # fresh: the caches were just made empty, so the prompt attends to itself only.
-  logits, tcache = _target_forward(target_params, spec, prompt, tcache,
-                                   logits_at=(prompt_len - 1)[:, None], fresh=True)
-  # Padding slots past each prompt were written but are now rolled back.
-  tcache = cache_lib.with_lengths(tcache, prompt_len)
-  p = sampling.probs(logits[:, 0], samp)
+  logits, tcache = encode(
+      lambda *a, **k: _target_forward(target_params, spec, *a, **k), tcache, prompt, prompt_len)
+  p = sampling.probs(logits, samp)
   first = sampling.sample(jax.random.fold_in(key, 0), p, samp)  # [B]
   tokens = jnp.zeros((b, width), jnp.int32).at[:, :p_width].set(prompt)
   tokens = _write_rows(tokens, first[:, None], prompt_len)
@@ -368,9 +370,8 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
   dcache = None
   if spec.method in DRAFT_METHODS:
     dcache = cache_lib.init(spec.draft.cfg, b, width, spec.draft.backend.dtype)
-    _, dcache = model.forward(spec.draft, draft_params, prompt, dcache,
-                              logits_at=jnp.zeros((b, 1), jnp.int32), fresh=True)
-    dcache = cache_lib.with_lengths(dcache, prompt_len)
+    _, dcache = encode(lambda *a, **k: model.forward(spec.draft, draft_params, *a, **k), dcache,
+                       prompt, prompt_len)
 
   g = spec.gamma_max
   zeros = jnp.zeros((b,), jnp.int32)
@@ -382,6 +383,53 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
       row_rounds=zeros, drafted=zeros, accepted=zeros,
       hist=jnp.zeros((b, g + 1), jnp.int32), gamma_trace=jnp.zeros((b, width), jnp.int32),
       draft_len=prompt_len, knobs=knobs)
+
+
+def encode(forward, cache: cache_lib.KVCache, prompt: jax.Array, prompt_len: jax.Array,
+           chunk: int = PREFILL_CHUNK):
+  """Runs the prompts through a model in fixed-size chunks, inside one loop.
+
+  The loop runs only as many chunks as the longest prompt fills, so a
+  prompt costs its own length (rounded up to a chunk), and one compiled
+  program serves every prompt length that fits the buffer
+  (docs/decisions.md, "Chunked prefill").
+
+  Args:
+    forward: `model.forward` of the model, its arch and params bound:
+      (tokens [B, T], cache, logits_at=, fresh=) -> (logits, cache).
+    cache: the model's empty cache.
+    prompt: [B, P] int32 prompts, right-padded; P a multiple of the chunk
+      (or smaller than it).
+    prompt_len: [B] int32 real prompt lengths (1..P).
+    chunk: static tokens per forward.
+
+  Returns:
+    (logits [B, V] float32 at each row's last prompt token, the cache
+    holding each row's prompt).
+  """
+  b, p_width = prompt.shape
+  chunk = min(chunk, p_width)
+  if p_width % chunk:
+    raise ValueError(f"prompt width {p_width} is not a multiple of the prefill chunk {chunk}")
+  last = prompt_len - 1  # [B]
+  # The first chunk finds every cache empty: it attends to itself only.
+  logits, cache = forward(prompt[:, :chunk], cache,
+                          logits_at=jnp.clip(last, 0, chunk - 1)[:, None], fresh=True)
+
+  def body(i, carry):
+    logits, cache = carry
+    start = i * chunk
+    tokens = jax.lax.dynamic_slice_in_dim(prompt, start, chunk, axis=1)  # [B, C]
+    # Every row writes at `start`: a row whose prompt ended earlier writes
+    # padding past its length, which the final lengths roll back.
+    step, cache = forward(tokens, cache_lib.with_lengths(cache, jnp.full((b,), start)),
+                          logits_at=jnp.clip(last - start, 0, chunk - 1)[:, None])
+    here = (last >= start) & (last < start + chunk)  # [B] the row's last token is in this chunk
+    return jnp.where(here[:, None], step[:, 0], logits), cache
+
+  chunks = (jnp.max(prompt_len) + chunk - 1) // chunk
+  logits, cache = jax.lax.fori_loop(1, chunks, body, (logits[:, 0], cache))
+  return logits, cache_lib.with_lengths(cache, prompt_len)
 
 
 def _sampling(spec: Spec, knobs: Knobs) -> sampling.Traced:

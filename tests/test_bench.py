@@ -53,6 +53,7 @@ def smoke_run(tmp_path_factory):
   return code, out
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_every_figure(smoke_run):
   code, out = smoke_run
   assert code == 0
@@ -101,6 +102,7 @@ def test_smoke_run_writes_every_figure(smoke_run):
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_each_prompts_roofline_is_over_the_bandwidth_read_around_its_records(tmp_path,
                                                                            monkeypatch):
   # The shared machine's bandwidth moves over minutes: a prompt's records
@@ -123,6 +125,7 @@ def test_each_prompts_roofline_is_over_the_bandwidth_read_around_its_records(tmp
   assert next(reads, None) is None  # four reads: the start, and one on each side of each prompt
 
 
+@pytest.mark.slow
 def test_no_compiled_program_outlives_its_prompt(smoke_run):
   # Kept, every mode's programs of every bucket pile up over a suite run to
   # gigabytes of peak RSS on the real pair (see bench.runner).
@@ -130,6 +133,7 @@ def test_no_compiled_program_outlives_its_prompt(smoke_run):
   assert programs.PROGRAMS.cache == {}
 
 
+@pytest.mark.slow
 def test_repetitions_alternate_between_modes_after_one_warm_up_each(tmp_path, monkeypatch):
   # A swing in the shared machine's bandwidth must land on every mode alike,
   # not on whichever mode's repetitions ran back to back during it.
@@ -151,6 +155,7 @@ def test_repetitions_alternate_between_modes_after_one_warm_up_each(tmp_path, mo
   assert len(doc["prompts"]["quicksort"]["modes"]["spec_g2"]["reps"]) == 3
 
 
+@pytest.mark.slow
 def test_planted_mismatch_fails_loudly(tmp_path, monkeypatch, capsys, smoke_run):
   real = jspec.generate
 
@@ -176,6 +181,7 @@ def test_planted_mismatch_fails_loudly(tmp_path, monkeypatch, capsys, smoke_run)
   assert doc["status"] == "stopped" and not doc["prompts"]["edit_type_hints"]["modes"]
 
 
+@pytest.mark.slow
 def test_resume_keeps_records_and_derives_from_histograms(tmp_path, smoke_run, capsys):
   _, source = smoke_run
   out = tmp_path / "random.json"
@@ -197,6 +203,7 @@ def test_resume_keeps_records_and_derives_from_histograms(tmp_path, smoke_run, c
   assert len(second["runs"]) == 2
 
 
+@pytest.mark.slow
 def test_a_cut_short_run_is_finalized_from_its_records(tmp_path, smoke_run, capsys):
   _, source = smoke_run
   cut = json.loads(source.read_text())
@@ -217,6 +224,7 @@ def test_a_cut_short_run_is_finalized_from_its_records(tmp_path, smoke_run, caps
   assert "--histograms" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_device_script_runs_the_random_weight_bench_without_gguf(tmp_path, smoke_run):
   # bench/device_gpu.sh as the GPU machine runs it (no gguf, no platformdirs, from
   # PYTHONPATH), on smoke models and the CPU instead of the real shapes and the GPU.
@@ -243,6 +251,7 @@ def test_the_device_script_runs_the_random_weight_bench_without_gguf(tmp_path, s
                                              "suite_gpu_random.tokens_per_s.png"}
 
 
+@pytest.mark.slow
 def test_resume_refuses_other_settings(tmp_path, smoke_run):
   _, source = smoke_run
   out = tmp_path / "copy.json"
@@ -396,6 +405,7 @@ def test_the_compile_target_counts_every_speculative_program_lookup_included():
   assert compile_target["value"] == 70.0 and compile_target["met"] is False
 
 
+@pytest.mark.slow
 def test_kernel_ab_times_two_builds_on_every_matrix_of_a_forward(monkeypatch, capsys):
   # The 1.5B's shapes swapped for a tiny packable target: HEAD's build against
   # the working tree's, a decode row and a prefill-like 50 (the 6 x 16 tiles).
@@ -415,6 +425,7 @@ def test_kernel_ab_times_two_builds_on_every_matrix_of_a_forward(monkeypatch, ca
   assert c.hidden_size == 64 and c.intermediate_size == 96 and c.num_layers == 2
 
 
+@pytest.mark.slow
 def test_kernel_ab_times_the_int8_kernel_on_the_drafts_matrices(monkeypatch, capsys):
   # --int8: the host's int8 kernel (AVX2 or VNNI) on int8 panels, the
   # draft's shapes swapped for the tiny target's.
@@ -440,6 +451,7 @@ def test_kernel_ab_refuses_row_counts_below_one(capsys):
   assert "expected row counts and reps of at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_roofline_times_a_forward_its_products_and_both_matvecs(monkeypatch, capsys):
   # The 1.5B's shapes swapped for a tiny packable target, 1 MiB matvecs:
   # this checks the tool runs and reports what it says; the figures are
@@ -479,6 +491,7 @@ def test_roofline_refuses_bad_settings(args):
     roofline.main(args)
 
 
+@pytest.mark.slow
 def test_one_row_greedy_rounds_count_the_int8_heads_bytes():
   target = modes_lib.Mode("target", "jspec", "target", {"method": "target"})
   lookup = modes_lib.Mode("prompt_lookup", "jspec", "lookup", {"method": "prompt_lookup"})

@@ -108,6 +108,7 @@ def _weight_file(cache, kind):
           "tokenizer": cache / "fake-target.tokenizer.json"}[kind]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", DAMAGE)
 @pytest.mark.parametrize("kind", WEIGHT_KINDS)
 def test_a_damaged_model_cache_file_is_rebuilt(known, kind, damage, tmp_path, monkeypatch,
@@ -164,6 +165,7 @@ def _program_files(cache, kind):
   return sorted([*cache.glob("jit_prefill-*-cache"), *cache.glob("jit_run-*-cache")])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", DAMAGE)
 @pytest.mark.parametrize("kind", PROGRAM_KINDS)
 def test_a_damaged_compiled_program_is_compiled_again(programs, kind, damage, tmp_path):

@@ -49,6 +49,7 @@ def _run(capsys, argv):
 
 # Real generations.
 
+@pytest.mark.slow
 def test_stream_json_and_generate_agree_with_stats(pair, bundle, capsys):
   want = jspec.generate(bundle, PROMPT, max_new_tokens=12)
   code, out, err = _run(capsys, ["generate", PROMPT, "--max-new-tokens", "12", "--stats",
@@ -75,6 +76,7 @@ def test_text_that_is_not_unicode_is_a_value_error_in_the_api(bundle):
     jspec.generate(bundle, "a\ud800b", max_new_tokens=2)
 
 
+@pytest.mark.slow
 def test_sampling_options_match_generate(pair, bundle, capsys):
   options = dict(temperature=0.8, top_p=0.9, top_k=50, seed=7, gamma=3, max_new_tokens=10)
   want = jspec.generate(bundle, PROMPT, **options)
@@ -93,6 +95,7 @@ def test_sampling_options_match_generate(pair, bundle, capsys):
     (["--method", "lookup_model", "--ngram", "2"], dict(method="lookup_model", ngram=2)),
     (["--float-draft"], dict(method="model")),
 ], ids=["prompt_lookup", "target", "lookup_model", "float-draft"])
+@pytest.mark.slow
 def test_draft_methods_match_generate(pair, bundle, capsys, argv, options):
   if "--float-draft" in argv:
     bundle = jspec.load(*pair, progress=False, draft_int8=False)

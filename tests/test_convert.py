@@ -42,6 +42,7 @@ def _hf_logits(model, tokens):
     return model(torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_gguf_matches_transformers(make_hf_model, write_gguf, tmp_path, monkeypatch, tied):
   monkeypatch.setattr(gguf_file, "_ROWS_PER_CHUNK", 7)  # several chunks per tensor

@@ -96,6 +96,7 @@ def test_attend_refuses_shapes_that_do_not_fit():
                          jnp.zeros((B,), jnp.int32))
 
 
+@pytest.mark.slow
 def test_the_layer_loop_attends_with_the_kernel_as_xla_does():
   # A kernel model's layers run as one loop (`model.Qwen2._scan_layers`)
   # whose attention is the kernel's: the same logits and caches as XLA's

@@ -33,6 +33,7 @@ def test_kernel_builds_where_a_compiler_exists():
   assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 12, 13, 17, 40, 50])
 @pytest.mark.parametrize("k,n", [(64, 32), (37, 96), (160, 320)])
 def test_matmul_matches_numpy(m, k, n):
@@ -117,6 +118,7 @@ def test_a_failed_compile_says_why_and_leaves_no_library(monkeypatch, tmp_path):
   assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_a_compiler_that_hangs_is_stopped_and_jspec_info_says_so(monkeypatch, tmp_path, capsys):
   # A "compiler" that never returns, with a child of its own (as c++ runs cc1plus).
   hang = tmp_path / "hang.sh"
@@ -153,6 +155,7 @@ def test_the_build_timeout_comes_from_the_environment(monkeypatch):
       cpu_kernels.build_timeout()
 
 
+@pytest.mark.slow
 def test_turning_the_kernel_off_falls_back_to_xla_forms():
   # A fresh process: availability is decided once per process.
   code = ("import sys; sys.path.insert(0, 'tests'); import tiny; from jspec import cpu_kernels; "
@@ -179,6 +182,7 @@ def test_int8_kernels_build_for_the_hosts_instructions():
   assert cpu_kernels.int8_kind() == (want[0] if want else None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["vnni", "avx2"])
 @pytest.mark.parametrize("m", [1, 2, 3, 9, 13])
 @pytest.mark.parametrize("k,n", [(64, 32), (37, 96), (896, 128)])

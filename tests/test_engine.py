@@ -55,6 +55,7 @@ def spec_of(bundle: jspec.Bundle, **kwargs) -> decode.Spec:
 # One case per setting, so that each is covered and pytest-xdist can spread
 # them over workers; hypothesis draws the data for each, seeded by the
 # setting, so every setting sees different weights, prompts and EOS.
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", range(len(SETTINGS)))
 def test_greedy_speculative_equals_target(setting):
 
@@ -79,6 +80,7 @@ def test_greedy_speculative_equals_target(setting):
   check()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gamma", [1, 3, 4])
 def test_draft_equal_to_target_accepts_everything(gamma):
   bundle = tiny.pair(1)
@@ -94,6 +96,7 @@ def test_draft_equal_to_target_accepts_everything(gamma):
   assert out.stats["mean_tokens_per_round"] == gamma + 1
 
 
+@pytest.mark.slow
 def test_eos_inside_an_accepted_block_ends_the_row_there():
   bundle = tiny.pair(1)
   bundle = jspec.Bundle(bundle.target, bundle.target)  # every block fully accepted
@@ -107,6 +110,7 @@ def test_eos_inside_an_accepted_block_ends_the_row_there():
       == base.token_ids
 
 
+@pytest.mark.slow
 def test_max_new_tokens_is_exact_for_every_gamma():
   bundle = tiny.pair(2)
   bundle = jspec.Bundle(bundle.target, bundle.target)
@@ -121,6 +125,7 @@ def _prefill_cache(m: jspec.Model, tokens: list[int], slots: int) -> cache_lib.K
   return cache
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["model", "model_is_target", "prompt_lookup", "lookup_model"])
 def test_caches_after_rounds_equal_a_fresh_prefill(method):
   bundle = tiny.pair(4)
@@ -156,6 +161,7 @@ def test_caches_after_rounds_equal_a_fresh_prefill(method):
                                   (fresh.k[:, :, :held], fresh.v[:, :, :held]), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_verify_runs_the_narrowest_width_that_holds_every_counted_draft():
   bundle = tiny.pair(11)
   params, arch = bundle.target.params, bundle.target.arch
@@ -201,6 +207,7 @@ def test_fill_verify_counts_ready_drafts_only_into_spare_positions():
   assert fill((8, 1), (8, 8), (True, False)) == [8, 2]
 
 
+@pytest.mark.slow
 def test_confidence_policy_stops_an_unsure_greedy_draft():
   # Greedy, q is a point mass (top probability always 1): the policy must
   # read the draft's own softmax instead, or it never stops drafting.
@@ -233,6 +240,7 @@ def _batch_case():
   return bundle, prompts, singles
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", range(len(SETTINGS)))
 def test_batch_rows_equal_their_single_runs(setting):
   bundle, prompts, singles = _batch_case()
@@ -241,6 +249,7 @@ def test_batch_rows_equal_their_single_runs(setting):
   assert [r.token_ids for r in batch] == singles, SETTINGS[setting]
 
 
+@pytest.mark.slow
 def test_seed_reproduces_a_sampled_generation():
   bundle = tiny.pair(7)
   kw = dict(max_new_tokens=20, temperature=1.0, top_p=0.9, gamma=3)
@@ -249,6 +258,7 @@ def test_seed_reproduces_a_sampled_generation():
   assert any(jspec.generate(bundle, [1, 2], seed=s, **kw).token_ids != a for s in range(6, 10))
 
 
+@pytest.mark.slow
 def test_prompt_lookup_without_a_match_emits_one_target_token_per_round():
   bundle = tiny.pair(8)
   # Distinct tokens none of which is the first new one: not even a 1-gram
@@ -278,6 +288,7 @@ def test_lookup_model_copies_up_to_sixteen_by_default_and_model_drafts_eight():
   assert gammas(method="target") == (0, 0)
 
 
+@pytest.mark.slow
 def test_same_shapes_compile_once_and_run_all_rounds_in_one_dispatch(monkeypatch):
   bundle = tiny.pair(9)
   jspec.generate(bundle, [1, 2, 3], max_new_tokens=30, gamma=2)
@@ -301,6 +312,7 @@ def test_same_shapes_compile_once_and_run_all_rounds_in_one_dispatch(monkeypatch
   assert calls == ["prefill", "run"]  # many rounds, one dispatch of the loop
 
 
+@pytest.mark.slow
 def test_a_new_prompt_length_in_the_same_bucket_traces_nothing(monkeypatch):
   # With the program store off, every compile traces: chex counts the traces.
   monkeypatch.setenv("JSPEC_XLA_CACHE", "0")
@@ -334,6 +346,7 @@ def _baked(bundle: jspec.Bundle, prompt: list[int], max_new: int, seed: int, **k
   return np.asarray(state.tokens[0, len(prompt):int(state.seq_len[0])]).tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, settings", [
     ("temperature", [dict(temperature=0.7), dict(temperature=1.3)]),
     ("top_p", [dict(temperature=1.0, top_p=0.6), dict(temperature=0.8, top_p=0.9)]),
@@ -360,21 +373,42 @@ def test_temperature_top_p_and_min_confidence_are_data_not_new_programs(kind, se
     assert got[0].token_ids != got[1].token_ids
 
 
-def test_prefill_pads_to_an_eighth_of_the_bucket_and_shares_the_loop_program():
-  assert [api.prefill_width(n) for n in (1, 16, 17, 35, 78, 157, 317, 512, 513)] == [
-      16, 16, 32, 48, 80, 160, 320, 512, 640]
+@pytest.mark.parametrize("chunk", [8, 32])
+def test_a_chunked_prefill_equals_one_forward_over_the_prompt(chunk):
+  # Rows of 5, 32 and 17 tokens in a 32-wide buffer: with chunks of 8 the
+  # rows end in different chunks (and padding is written past them).
+  bundle = tiny.pair(15, draft_int8=False)
+  m = bundle.target
+  lengths = jnp.asarray([5, 32, 17])
+  prompt = jnp.asarray([tiny.prompt(i, 32) for i in range(3)]) * (
+      jnp.arange(32)[None] < lengths[:, None])
+  fwd = lambda *a, **k: model.forward(m.arch, m.params, *a, **k)
+  logits, cache = decode.encode(fwd, cache_lib.init(m.cfg, 3, 40), prompt, lengths, chunk)
+  whole, fresh = fwd(prompt, cache_lib.init(m.cfg, 3, 40), (lengths - 1)[:, None])
+  np.testing.assert_array_equal(cache.lengths, lengths)
+  chex.assert_trees_all_close(logits, whole[:, 0], atol=1e-5)
+  for row, n in enumerate(lengths.tolist()):
+    chex.assert_trees_all_close((cache.k[:, row, :n], cache.v[:, row, :n]),
+                                (fresh.k[:, row, :n], fresh.v[:, row, :n]), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_every_prompt_length_in_a_buffer_bucket_shares_its_programs():
   bundle = tiny.pair(9)
   target = jspec.generate(bundle, tiny.prompt(3, 33), max_new_tokens=12, method="target")
   first = jspec.generate(bundle, tiny.prompt(3, 33), max_new_tokens=12, gamma=2)
   compiles = programs.PROGRAMS.compiles
-  # 60 tokens: the same loop buffers (bucket 64), a wider prefill (64, not 48).
-  second = jspec.generate(bundle, tiny.prompt(4, 60), max_new_tokens=12, gamma=2)
-  assert programs.PROGRAMS.compiles == compiles + 1  # the prefill only
+  for length in (60, 64, 40):  # the same bucket (64): the same prefill and loop
+    second = jspec.generate(bundle, tiny.prompt(4, length), max_new_tokens=12, gamma=2)
+    assert programs.PROGRAMS.compiles == compiles and second.stats["compile_s"] == 0.0
   assert first.token_ids == target.token_ids
-  assert second.token_ids == jspec.generate(bundle, tiny.prompt(4, 60), max_new_tokens=12,
+  assert second.token_ids == jspec.generate(bundle, tiny.prompt(4, 40), max_new_tokens=12,
                                             method="target").token_ids
+  jspec.generate(bundle, tiny.prompt(4, 65), max_new_tokens=12, gamma=2)  # the next bucket
+  assert programs.PROGRAMS.compiles == compiles + 2  # its prefill and its loop
 
 
+@pytest.mark.slow
 def test_stream_concatenates_to_generate_and_can_be_abandoned():
   bundle = tiny.pair(10)
   kw = dict(max_new_tokens=25, temperature=0.8, gamma=3, seed=2)
@@ -388,6 +422,7 @@ def test_stream_concatenates_to_generate_and_can_be_abandoned():
   assert jspec.generate(bundle, [3, 1, 4], **kw).token_ids == full.token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prompt=[]), "empty"),
     (dict(prompt=[[]]), "empty"),
@@ -442,6 +477,7 @@ def test_unknown_options_are_a_type_error_and_stream_shares_the_checks():
     next(jspec.stream(bundle, [[1, 2], [3]]))
 
 
+@pytest.mark.slow
 def test_vocabulary_mismatch_is_refused_and_padding_is_masked():
   bundle = tiny.pair(0)
   big = tiny.pair(0, vocab=13)
@@ -460,6 +496,7 @@ def test_vocabulary_mismatch_is_refused_and_padding_is_masked():
   assert max(out.token_ids) < tiny.VOCAB
 
 
+@pytest.mark.slow
 def test_draft_catch_up_feeds_every_missing_token_in_chunks():
   """After prompt lookup rounds the draft lacks many tokens: it is fed them all, x_{n-1} last."""
   bundle = tiny.pair(12, draft_int8=False)

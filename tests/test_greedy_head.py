@@ -27,6 +27,7 @@ def _table(seed: int = 0) -> jax.Array:
           .at[9].set(jnp.nextafter(row, jnp.float32(1))))  # the same row, one ulp up per weight
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 6])
 def test_the_kernel_multiplies_float_rows_by_int8_panels(m):
   x = jax.random.normal(jax.random.key(m), (m, D))
@@ -46,6 +47,7 @@ def test_each_estimate_is_within_its_bound_of_the_float32_logit():
   assert float(jnp.max(jnp.abs(estimate - full) / slack)) > 0.05  # the bound is not vacuous
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_argmax_and_the_candidates_logits_are_the_full_heads(seed):
   table = _table(seed)
@@ -64,6 +66,7 @@ def test_the_argmax_and_the_candidates_logits_are_the_full_heads(seed):
     assert bool(jnp.all(finite[r][full[r] == jnp.max(full[r])]))
 
 
+@pytest.mark.slow
 def test_close_rows_whose_estimates_misorder_still_give_the_exact_argmax():
   # Rows a little apart around one direction: the int8 estimates of the top
   # few are closer than their rounding, so the estimate's own argmax is
@@ -80,6 +83,7 @@ def test_close_rows_whose_estimates_misorder_still_give_the_exact_argmax():
   np.testing.assert_array_equal(jnp.argmax(got, -1), jnp.argmax(full, -1))
 
 
+@pytest.mark.slow
 def test_ids_past_the_vocab_limit_are_never_the_argmax():
   table = _table().at[V - 1].set(_table()[5] * 2)  # a padding row that would win
   panels = cpu_kernels.pack_table(table)
@@ -90,6 +94,7 @@ def test_ids_past_the_vocab_limit_are_never_the_argmax():
   assert int(jnp.argmax(got[0])) == int(jnp.argmax(full[0, :V - 32]))
 
 
+@pytest.mark.slow
 def test_more_candidates_than_capacity_take_the_full_head():
   table = jnp.tile(_table()[:1], (V, 1))  # every row the same: every token a candidate
   panels = cpu_kernels.pack_table(table)
@@ -104,6 +109,7 @@ def test_an_all_zero_row_is_estimated_exactly():
   assert float(head.bound[3]) == 0.0 and float(head.scale[3]) == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["target", "model", "prompt_lookup"])
 def test_a_target_with_the_int8_head_gives_the_tokens_of_one_without(method):
   if not cpu_kernels.available():
@@ -123,6 +129,7 @@ def test_only_a_float32_kernel_target_gets_the_int8_head():
   assert tiny.packable_pair(7).draft.params["greedy_head"] is None  # a draft never does
 
 
+@pytest.mark.slow
 def test_sampling_reads_the_whole_head(monkeypatch):
   calls = []
   monkeypatch.setattr(greedy_head, "logits", lambda *a, **k: calls.append(1))

@@ -76,6 +76,7 @@ def pair(tmp_path_factory, make_hf_model, write_gguf, tiny_vocab):
   return write_pair(tmp_path_factory.mktemp("pair"), make_hf_model, write_gguf, tiny_vocab)
 
 
+@pytest.mark.slow
 def test_mixed_hf_target_gguf_draft_generates(pair):
   target, draft = pair
   bundle = jspec.load(target, draft, progress=False)
@@ -87,6 +88,7 @@ def test_mixed_hf_target_gguf_draft_generates(pair):
   assert spec.stats["drafted"] > 0
 
 
+@pytest.mark.slow
 def test_gguf_target_hf_draft(pair, tmp_path, make_hf_model, write_gguf):
   target_dir, _ = pair
   gguf_target = write_gguf(tmp_path / "t.gguf", make_hf_model(seed=1, **TARGET_SIZES))
@@ -110,6 +112,7 @@ def test_vocabulary_rows_mismatch_refused(pair, tmp_path, make_hf_model):
     jspec.load(target, short, progress=False)
 
 
+@pytest.mark.slow
 def test_jspec_file_target_needs_a_tokenizer_for_text(pair, tmp_path):
   target, draft = pair
   out = convert.convert_checkpoint(target, tmp_path / "t.jspec.safetensors")
@@ -259,6 +262,7 @@ def _ids(bundle):
   return jspec.generate(bundle, PROMPT, max_new_tokens=8).token_ids
 
 
+@pytest.mark.slow
 def test_known_pair_assembles_converts_once_then_reuses(fake_pair, monkeypatch, fake_ggufs):
   calls = _count_conversions(monkeypatch)
   first = jspec.load("fake-pair", progress=False)
@@ -283,6 +287,7 @@ def test_known_pair_assembles_converts_once_then_reuses(fake_pair, monkeypatch, 
   assert jspec.load("fake-t", progress=False).draft is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate", "garble-same-size"])
 def test_corrupted_converted_file_is_rebuilt(fake_pair, monkeypatch, capsys, damage):
   expected = _ids(jspec.load("fake-pair", progress=False))

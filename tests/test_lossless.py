@@ -164,6 +164,7 @@ def _spec(bundle, **options) -> decode.Spec:
   return jspec.Options(**options).spec(bundle.target.arch, bundle.draft.arch, bundle.vocab_limit)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_first_three_tokens_follow_target(name):
   case = dict(CASES[name])
@@ -182,6 +183,7 @@ def test_first_three_tokens_follow_target(name):
       assert p_i > ALPHA, f"{name}, prompt {prompt}, token {i + 1}: p = {p_i:.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["model", "lookup_model"])
 def test_later_rounds_follow_target(method):
   """Tokens 4-6 come from the second and later rounds, after rollbacks.
@@ -201,6 +203,7 @@ def test_later_rounds_follow_target(method):
     assert p_value > ALPHA, f"prompt {prompt}: tokens 4-6 chi-square p = {p_value:.2e}"
 
 
+@pytest.mark.slow
 def test_chi_square_rejects_a_wrong_distribution():
   """The statistic itself has power: samples from q are rejected as samples of p."""
   bundle = tiny.pair(seed=3, scale=0.6)

@@ -50,6 +50,7 @@ def _converted(model, tmp_path, dtype="float32", **save_kwargs):
   return cfg, model_lib.params_from_tensors(cfg, tensors)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     dict(),  # 6 query heads on 2 kv heads, head_dim 14 != 58 / 6, untied head
     dict(num_key_value_heads=3, tie_word_embeddings=True, rope_theta=1e6, num_hidden_layers=3),
@@ -71,6 +72,7 @@ def test_logits_match_transformers(make_hf_model, tmp_path, overrides):
   np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_matches(make_hf_model, tmp_path):
   hf = make_hf_model(seed=1)
   cfg, params = _converted(hf, tmp_path, max_shard_size="40KB")
@@ -80,6 +82,7 @@ def test_sharded_checkpoint_matches(make_hf_model, tmp_path):
                              atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_bf16_checkpoint_loads_exactly(make_hf_model, tmp_path):
   # numpy has no bfloat16: a bf16 safetensors file must still load, and upcast exactly.
   hf = make_hf_model(seed=2)
@@ -99,6 +102,7 @@ def test_bf16_checkpoint_loads_exactly(make_hf_model, tmp_path):
                              atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_low_precision_params_close_to_fp32(make_hf_model, tmp_path, dtype):
   hf = make_hf_model(seed=3)
@@ -143,6 +147,7 @@ def test_rmsnorm_matches(make_hf_model):
   np.testing.assert_allclose(np.asarray(got), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_rope_matches(make_hf_model):
   hf = make_hf_model()
   cfg = _cfg(hf)
@@ -162,6 +167,7 @@ def test_rope_matches(make_hf_model):
   np.testing.assert_allclose(np.asarray(got_k), _np(ref_k.transpose(1, 2)), atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_heads", [2, 3])
 def test_attention_matches(make_hf_model, kv_heads):
   hf = make_hf_model(num_key_value_heads=kv_heads)
@@ -185,6 +191,7 @@ def test_attention_matches(make_hf_model, kv_heads):
   assert np.abs(np.asarray(k_buf[0, :, :t])).sum() > 0  # keys were written to the cache
 
 
+@pytest.mark.slow
 def test_mlp_matches(make_hf_model):
   hf = make_hf_model()
   cfg = _cfg(hf)
@@ -200,6 +207,7 @@ def test_mlp_matches(make_hf_model):
   np.testing.assert_allclose(np.asarray(got), ref, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_tensor_of_the_wrong_shape_or_name_is_named():
   cfg = config_lib.Qwen2Config(vocab_size=13, hidden_size=8, intermediate_size=6, num_layers=2,
                                num_heads=2, num_kv_heads=1, head_dim=4)

@@ -13,6 +13,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # The child's first lines: importing any of these raises ImportError.
@@ -25,6 +27,7 @@ def _child(code: str, tmp_path) -> subprocess.CompletedProcess:
                         capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_jspec_and_the_random_weight_bench_import_without_gguf_or_platformdirs(tmp_path):
   done = _child("import jspec, convert, bench.models, bench.runner, bench.__main__\n"
                 "from jspec import fetch\n"
@@ -33,6 +36,7 @@ def test_jspec_and_the_random_weight_bench_import_without_gguf_or_platformdirs(t
   assert done.stdout.strip() == str(tmp_path / "cache")
 
 
+@pytest.mark.slow
 def test_random_weight_shapes_come_from_the_built_in_copies_without_gguf(tmp_path):
   done = _child("from bench import shapes\n"
                 "t, d, origin = shapes.real_pair('qwen2.5-coder', verbose=False)\n"
@@ -41,6 +45,7 @@ def test_random_weight_shapes_come_from_the_built_in_copies_without_gguf(tmp_pat
   assert done.stdout.split() == ["built-in", "28", "24"]
 
 
+@pytest.mark.slow
 def test_reading_a_gguf_file_without_the_package_says_what_is_missing(tmp_path):
   path = tmp_path / "model.gguf"
   path.write_bytes(b"GGUF" + bytes(60))

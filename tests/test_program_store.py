@@ -46,6 +46,7 @@ def _count_round_traces(monkeypatch) -> list:
   return calls
 
 
+@pytest.mark.slow
 def test_a_new_process_runs_the_stored_program_without_tracing(store, monkeypatch):
   bundle = tiny.pair(5)
   first = jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
@@ -59,6 +60,7 @@ def test_a_new_process_runs_the_stored_program_without_tracing(store, monkeypatc
   assert again.stats["rounds"] == first.stats["rounds"]
 
 
+@pytest.mark.slow
 def test_changed_sources_trace_again(store, monkeypatch):
   bundle = tiny.pair(5)
   jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
@@ -71,6 +73,7 @@ def test_changed_sources_trace_again(store, monkeypatch):
   assert len(list(store.iterdir())) == 4
 
 
+@pytest.mark.slow
 def test_an_unreadable_stored_program_is_traced_again_and_replaced(store):
   bundle = tiny.pair(5)
   first = jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
@@ -101,6 +104,7 @@ def _runtime_warnings(record) -> list[str]:
   return [str(w.message) for w in record if issubclass(w.category, RuntimeWarning)]
 
 
+@pytest.mark.slow
 def test_a_damaged_stored_program_is_traced_again_and_replaced(store):
   bundle = tiny.pair(5)
   first = jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
@@ -128,6 +132,7 @@ def _rewrite_module(path, edit):
       dataclasses.replace(exported, mlir_module_serialized=bytes(module))))
 
 
+@pytest.mark.slow
 def test_a_stored_program_that_does_not_lower_is_traced_again_and_replaced(store):
   bundle = tiny.pair(5)
   first = jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
@@ -145,6 +150,7 @@ def test_a_stored_program_that_does_not_lower_is_traced_again_and_replaced(store
   assert programs.PROGRAMS.stored == stored + 2
 
 
+@pytest.mark.slow
 def test_a_stored_program_that_does_not_compile_is_traced_again_and_replaced(store, monkeypatch):
   bundle = tiny.pair(5)
   first = jspec.generate(bundle, tiny.prompt(1, 9), **SETTINGS)
@@ -170,6 +176,7 @@ def test_a_stored_program_that_does_not_compile_is_traced_again_and_replaced(sto
   assert sorted(calls) == ["prefill", "prefill", "run", "run"]  # the stored one, then a trace
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["regular-file", "dangling-symlink"])
 def test_an_unusable_store_directory_is_warned_once_and_skipped(store, kind):
   if kind == "regular-file":
@@ -196,6 +203,7 @@ def _read_only(directory):
   return lambda: subprocess.run(["chattr", "-i", str(directory)], check=True)
 
 
+@pytest.mark.slow
 def test_a_read_only_store_generates_without_storing_and_warns_once(store):
   store.mkdir()
   undo = _read_only(store)
@@ -321,6 +329,7 @@ print(json.dumps({"ids": out.token_ids, "stored": programs.PROGRAMS.stored,
 """
 
 
+@pytest.mark.slow
 def test_a_second_process_reads_what_the_first_stored(tmp_path):
   env = {**os.environ, "JSPEC_CACHE": str(tmp_path), "JSPEC_XLA_CACHE": "1",
          "PYTHONPATH": os.pathsep.join([os.path.dirname(tiny.__file__),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
@@ -13,6 +14,7 @@ from jspec import speculative
 V = 7  # few ids, so drafts often equal the target's token
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 4), g=st.integers(0, 6))
 def test_greedy_acceptance_from_tokens_equals_acceptance_from_point_masses(seed, b, g):

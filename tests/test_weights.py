@@ -38,6 +38,7 @@ def _tokens(seed, shape, vocab):
   return np.random.RandomState(seed).randint(0, vocab, size=shape).astype(np.int32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [weights.dense, weights.table])
 def test_every_form_multiplies_and_looks_up_like_the_plain_matrix(make):
   rng = np.random.RandomState(0)
@@ -87,6 +88,7 @@ def test_panels_round_trip_exactly_and_odd_outputs_stay_dense():
   assert weights.to_panels(odd) is odd
 
 
+@pytest.mark.slow
 @needs_kernels
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("t", [1, 9])
@@ -117,6 +119,7 @@ def test_prepare_leaves_its_input_alone_unless_told_to_consume_it(kernels):
   assert params == {}  # every source leaf left as its replacement was made
 
 
+@pytest.mark.slow
 def test_the_draft_is_int8_on_cpu_unless_asked_and_the_target_never_is():
   int8 = tiny.packable_pair(3)
   kind = weights.Int8Panels if cpu_kernels.int8_available() else weights.Int8
@@ -135,6 +138,7 @@ def test_the_draft_is_int8_on_cpu_unless_asked_and_the_target_never_is():
     assert out.token_ids == base.token_ids
 
 
+@pytest.mark.slow
 def test_generate_reads_a_bundle_and_never_changes_it():
   bundle = tiny.packable_pair(5)
   before = jax.tree.map(np.array, (bundle.target.params, bundle.draft.params))
@@ -158,6 +162,7 @@ def test_kernels_asked_for_where_they_cannot_run_is_refused(monkeypatch):
     jspec.Settings(draft_int8="yes")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 def test_int8_forward_is_close_to_float(tied):
   cfg = dataclasses.replace(tiny.TARGET, tie_word_embeddings=tied)
@@ -175,6 +180,7 @@ def test_int8_forward_is_close_to_float(tied):
   assert np.mean(np.argmax(got, -1) == np.argmax(want, -1)) >= 0.9
 
 
+@pytest.mark.slow
 @needs_int8
 @pytest.mark.parametrize("tied", [False, True])
 def test_int8_panels_compute_exactly_what_plain_int8_does(tied):
@@ -192,6 +198,7 @@ def test_int8_panels_compute_exactly_what_plain_int8_does(tied):
     chex.assert_trees_all_equal(_forward(packed, tokens), _forward(plain, tokens))
 
 
+@pytest.mark.slow
 @needs_kernels
 @pytest.mark.parametrize("int8", [False, True])
 def test_kernel_layers_run_as_one_loop_with_the_unrolled_results(int8):
@@ -229,6 +236,7 @@ def test_kernel_layers_run_as_one_loop_with_the_unrolled_results(int8):
     chex.assert_trees_all_equal(results[False], results[True])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["dense", "panels", "int8"])
 def test_a_fresh_prefill_attends_to_its_chunk_with_the_same_results(form):
   # `fresh` (prefill: every cache empty) attends over the chunk alone, not
