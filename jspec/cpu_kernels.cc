@@ -996,3 +996,156 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlkSymLayer, GemmBlkSymLayer,
                                   .Arg<LayerIndex>()
                                   .RemainingArgs()
                                   .Ret<Matrix>());
+
+// jspec_gemm_bf16: float activations times bfloat16 weights widened exactly
+// to float32 (a bfloat16 is the top half of a float32: a 16-bit shift):
+//
+//   jspec_gemm_bf16(x [M, K] f32, w [P, K, 32] bf16) -> y [M, P * 32] f32
+//
+// Why: a checkpoint stored in bfloat16 (HF's Qwen2.5 is) holds its model in
+// half of float32's bytes, and a decode step is bound by the bytes it reads.
+// The tiles are the block kernel's without the blocks: x packed per row
+// tile, one row reading four panels in step (AVX2: two), two or three rows
+// two, more rows in tiles of up to 12 (AVX2: 6 rows x half a panel). Every
+// output is one FMA chain over k in order, whatever the tile, so a row comes
+// out bit for bit the same whichever rows share the call.
+namespace {
+
+// kLanes bfloat16 weights as a Vec of floats: each zero-extended to 32 bits
+// and shifted into the top half.
+inline Vec WidenBf16(const uint16_t* w) {
+#if defined(__AVX512F__)
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
+#elif defined(__AVX2__)
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  const __m256i bits = _mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16);
+#else
+  uint32_t bits[kLanes];
+  for (int i = 0; i < kLanes; ++i) bits[i] = static_cast<uint32_t>(w[i]) << 16;
+#endif
+  Vec out;
+  std::memcpy(&out, &bits, sizeof(Vec));
+  return out;
+}
+
+// Panel rows (64 bytes each) the weight stream is prefetched ahead.
+constexpr int64_t kBf16Ahead = 32;
+
+// y[m, 32p + 0:W] = sum_k xt[k, m] * w_p[k, 0:W] for p in [0, NP), m in [0, MR),
+// W = NV vectors (w and y may point into the middle of a panel row),
+// w_p = w + p * stride; x packed for the tile as xt [K, MR].
+template <int MR, int NV, int NP>
+void Bf16Tile(const float* xt, const uint16_t* w, int64_t stride, int64_t k_size, float* y,
+              int64_t ldy) {
+  Vec acc[NP][MR][NV];
+  for (int p = 0; p < NP; ++p) {
+    for (int m = 0; m < MR; ++m) {
+      for (int v = 0; v < NV; ++v) acc[p][m][v] = Vec{};
+    }
+  }
+  for (int64_t k = 0; k < k_size; ++k) {
+    const uint16_t* row = w + k * kPanel;
+    const float* xk = xt + k * MR;
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) {
+      __builtin_prefetch(row + p * stride + kBf16Ahead * kPanel, 0, 3);  // a line per row
+      Vec wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = WidenBf16(row + p * stride + v * kLanes);
+#pragma GCC unroll 12
+      for (int m = 0; m < MR; ++m) {
+        const float b = xk[m];
+        for (int v = 0; v < NV; ++v) acc[p][m][v] += b * wv[v];
+      }
+    }
+  }
+  for (int p = 0; p < NP; ++p) {
+    for (int m = 0; m < MR; ++m) {
+      for (int v = 0; v < NV; ++v) {
+        std::memcpy(y + m * ldy + p * kPanel + v * kLanes, &acc[p][m][v], sizeof(Vec));
+      }
+    }
+  }
+}
+
+using Bf16TileFn = void (*)(const float*, const uint16_t*, int64_t, int64_t, float*, int64_t);
+template <int NP, int... R>
+constexpr std::array<Bf16TileFn, sizeof...(R) + 1> MakeBf16Tiles(std::integer_sequence<int, R...>) {
+  return {nullptr, Bf16Tile<R + 1, kBlkVecs, NP>...};
+}
+
+using Bf16Panels = ffi::Buffer<ffi::BF16, 3>;
+
+ffi::Error GemmBf16(ffi::ThreadPool pool, Matrix x, Bf16Panels w, ffi::Result<Matrix> y) {
+  static constexpr auto tiles = MakeBf16Tiles<1>(std::make_integer_sequence<int, kBlkRows>{});
+  static constexpr auto step_tiles =
+      MakeBf16Tiles<kBlkStepPanels>(std::make_integer_sequence<int, kBlkStepRows>{});
+  static constexpr Bf16TileFn row_tile = Bf16Tile<1, kBlkVecs, kBlkRowPanels>;
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto yd = y->dimensions();
+  if (!PanelShapes(xd, wd, yd)) {
+    return ffi::Error::InvalidArgument(
+        "jspec_gemm_bf16: expected x [M, K] f32, w [N/32, K, 32] bf16 and y [M, N]");
+  }
+  const float* xp = x.typed_data();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.typed_data());
+  float* yp = y->typed_data();
+  const int64_t m_size = xd[0], k_size = xd[1], panels = wd[0], n_size = yd[1];
+  const int64_t stride = k_size * kPanel;
+  // x packed per row tile: tile t (rows m0 .. m0 + r) as [K, r].
+  const int64_t tiles_m = (m_size + kBlkRows - 1) / kBlkRows;
+  std::vector<float> packed(m_size * k_size);
+  for (int64_t t = 0; t < tiles_m; ++t) {
+    const int64_t m0 = t * kBlkRows, r = std::min(kBlkRows, m_size - m0);
+    float* xt = packed.data() + m0 * k_size;
+    for (int64_t m = 0; m < r; ++m) {
+      for (int64_t k = 0; k < k_size; ++k) xt[k * r + m] = xp[(m0 + m) * k_size + k];
+    }
+  }
+  const float* xpk = packed.data();
+  const int64_t np = m_size == 1 ? kBlkRowPanels : m_size <= kBlkStepRows ? kBlkStepPanels : 1;
+  const Bf16TileFn step = m_size == 1 ? row_tile : m_size <= kBlkStepRows ? step_tiles[m_size]
+                                                                         : nullptr;
+  ForEachPanel(pool, (panels + np - 1) / np, [=](int64_t set) {
+    const int64_t p0 = set * np;
+    for (int64_t t = 0; t < tiles_m; ++t) {
+      const int64_t m0 = t * kBlkRows, r = std::min(kBlkRows, m_size - m0);
+      for (int64_t c = 0; c < kPanel; c += kBlkVecs * kLanes) {
+        auto run = [&](Bf16TileFn tile, int64_t p) {
+          tile(xpk + m0 * k_size, wp + p * stride + c, stride, k_size,
+               yp + m0 * n_size + p * kPanel + c, n_size);
+        };
+        if (np > 1 && p0 + np <= panels) {
+          run(step, p0);
+        } else {
+          for (int64_t p = p0; p < std::min(p0 + np, panels); ++p) run(tiles[r], p);
+        }
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error GemmBf16Layer(ffi::ThreadPool pool, Matrix x, LayerIndex layer,
+                         ffi::RemainingArgs weights, ffi::Result<Matrix> y) {
+  return WithLayer<Bf16Panels>("jspec_gemm_bf16_layer", layer, weights,
+                               [&](Bf16Panels w) { return GemmBf16(pool, x, w, y); });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBf16, GemmBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<Bf16Panels>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBf16Layer, GemmBf16Layer,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<LayerIndex>()
+                                  .RemainingArgs()
+                                  .Ret<Matrix>());

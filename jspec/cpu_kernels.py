@@ -49,13 +49,14 @@ TARGET_INT8 = "jspec_gemm_i8"  # u8 x s8, AVX-512 VNNI
 TARGET_S8 = "jspec_gemm_s8"  # s8 x s8, AVX2
 TARGET_BLK = "jspec_gemm_blk"  # f32 x int8 blocks with scales and offsets (`matmul_blocks`)
 TARGET_BLK_SYM = "jspec_gemm_blk_sym"  # the same without offsets
+TARGET_BF16 = "jspec_gemm_bf16"  # f32 x bf16 panels widened exactly (`matmul_bf16`)
 # The same products with the weight picked from one buffer per layer (`LayerPick`).
 LAYER_TARGETS = {t: t + "_layer" for t in (TARGET, TARGET_INT8, TARGET_S8, TARGET_BLK,
-                                           TARGET_BLK_SYM)}
+                                           TARGET_BLK_SYM, TARGET_BF16)}
 TARGET_ATTEND = "jspec_attend_f32"  # decode attention over the cache (`jspec.cpu_attention`)
 TARGET_F32S8 = "jspec_gemm_f32s8"  # f32 x s8 -> f32, the greedy head's estimate (`jspec.greedy_head`)
 TARGETS = (TARGET, TARGET_INT8, TARGET_S8, *LAYER_TARGETS.values(), TARGET_ATTEND, TARGET_F32S8,
-           TARGET_BLK, TARGET_BLK_SYM)
+           TARGET_BLK, TARGET_BLK_SYM, TARGET_BF16)
 SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
 # The attention kernel, built into the same library; both sources include the
 # thread helpers of HEADERS.
@@ -66,7 +67,8 @@ _SYMBOLS = {TARGET: "JspecGemmF32", TARGET_INT8: "JspecGemmI8", TARGET_S8: "Jspe
             LAYER_TARGETS[TARGET_S8]: "JspecGemmS8Layer", TARGET_ATTEND: "JspecAttendF32",
             TARGET_F32S8: "JspecGemmF32S8", TARGET_BLK: "JspecGemmBlk",
             TARGET_BLK_SYM: "JspecGemmBlkSym", LAYER_TARGETS[TARGET_BLK]: "JspecGemmBlkLayer",
-            LAYER_TARGETS[TARGET_BLK_SYM]: "JspecGemmBlkSymLayer"}
+            LAYER_TARGETS[TARGET_BLK_SYM]: "JspecGemmBlkSymLayer", TARGET_BF16: "JspecGemmBf16",
+            LAYER_TARGETS[TARGET_BF16]: "JspecGemmBf16Layer"}
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
 _LIBRARY = None  # the loaded library: kept referenced so it is never unloaded
 
@@ -543,4 +545,35 @@ def matmul_blocks(x: jax.Array, qpanels, spanels, opanels=None) -> jax.Array:
       opanels = None if opanels is None else opanels.value()
     w = widen_blocks(qpanels, spanels, opanels)
     y = jnp.einsum("mk,pkw->mpw", rows.astype(jnp.float32), w).reshape(rows.shape[0], p * width)
+  return y.reshape(*lead, p * width)
+
+
+def matmul_bf16(x: jax.Array, panels) -> jax.Array:
+  """x @ W for a bfloat16 W stored as panels, in float32: [..., K] x [N/32, K, 32] -> [..., N].
+
+  Each weight is widened to float32 exactly (a bfloat16 is a float32's top
+  half), so this is `matmul` over the widened panels, reading half the
+  bytes: `jspec_gemm_bf16` where the kernel is available, x is float32 and
+  the program runs on CPU, else an einsum over the widened panels (the two
+  sum in different orders).
+
+  Args:
+    x: [..., K] float32 activations.
+    panels: W [K, N] as `pack` lays it out, bfloat16, or a `LayerPick` of such.
+
+  Returns:
+    [..., N] float32.
+  """
+  lead, k = x.shape[:-1], x.shape[-1]
+  p, _, width = panels.shape
+  rows = x.reshape(-1, k)  # [M, K]
+  if (x.dtype == jnp.float32 and panels.dtype == jnp.bfloat16 and available()
+      and jax.default_backend() == "cpu"):
+    out_type = jax.ShapeDtypeStruct((rows.shape[0], p * width), jnp.float32)
+    y = _call(TARGET_BF16, out_type, rows, panels)
+  else:
+    if isinstance(panels, LayerPick):
+      panels = panels.value()
+    y = jnp.einsum("mk,pkw->mpw", rows.astype(jnp.float32),
+                   panels.astype(jnp.float32)).reshape(rows.shape[0], p * width)
   return y.reshape(*lead, p * width)
