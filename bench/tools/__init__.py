@@ -1,1 +1,0 @@
-"""Stand-alone measurement tools (`python -m bench.tools.NAME`), outside the bench's runs."""
