@@ -686,3 +686,466 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmS8Layer, GemmS8Layer,
                                   .Arg<LayerIndex>()
                                   .RemainingArgs()
                                   .Ret<Int32Matrix>());
+
+// jspec_gemm_blk: float activations times int8 block weights, the compact
+// form of a GGUF target (`convert.gguf_blocks`):
+//
+//   jspec_gemm_blk(x [M, K] f32, q [P, K, 32] s8, s [P, K/B, 32] f32,
+//                  o [P, K/B, 32] f32) -> y [M, P * 32] f32
+//   jspec_gemm_blk_sym(x, q, s) -> y         (no offsets)
+//
+//   y[m, 32p + c] = sum_k x[m, k] * (s[p, k / B, c] * q[p, k, c] + o[p, k / B, c])
+//
+// B = K / s.shape[1] is 16 or 32. Why: the target's weights as float32 are
+// 3-5x the bytes that define them, and a decode step is bound by the bytes
+// it reads; as int8 with a float32 scale (and offset) per block they are
+// 1.125-1.25 bytes each and still exactly the checkpoint's values.
+//
+// Per block j of B k: acc = sum_k x[m, k] * q[k, :] over its B k, then
+// y += s[j, :] * acc + o[j, :] * (sum of x[m, k] over the block), so each
+// weight is widened once for all the rows of a tile, and two FMAs per block
+// and row pay for the scale and offset. The sums run in another order than
+// jspec_gemm_f32's over the widened weights (within float32 rounding).
+// Chosen by measurement on the 2-core AVX-512 VM (docs/decisions-compact.md):
+// widening a stretch of the panel into a float32 scratch buffer once and
+// running jspec_gemm_f32's tiles over it (each weight widened once for all
+// rows, and the output that kernel's bit for bit) took 1.1-1.5x the time of
+// these tiles at every M from 7 to 320.
+#include <vector>
+
+namespace {
+
+// Rows per register tile of the block path. Each row holds NV block
+// accumulators per panel; while they fit, the output's accumulators stay
+// in registers too, else each block's sums are added into y (in L1).
+// AVX-512: up to 12 rows x a whole panel (24 of 32 registers); AVX2: up to
+// 6 rows x half a panel (12 of 16).
+constexpr int64_t kBlkRows = kLanes == 16 ? 12 : 6;
+constexpr int kBlkVecs = kLanes == 16 ? kVecs : 2;
+constexpr int kBlkRegs = kLanes == 16 ? 32 : 16;  // vector registers
+// Panels read in step by one row (a decode step) and by up to
+// kBlkStepRows rows: one sequential stream per thread reads far below the
+// memory bandwidth (on the 2-core AVX-512 VM, 6.5 GB/s with one stream per
+// thread against 11 with eight), and each panel in step is three more
+// streams (q, scales, offsets). AVX2 takes two, as its fp32 and int8 row
+// tiles do (not measured for this kernel: no AVX2 host at hand).
+constexpr int kBlkRowPanels = kLanes == 16 ? 4 : 2;
+constexpr int kBlkStepPanels = 2;
+constexpr int64_t kBlkStepRows = 3;
+// Panel rows (32 bytes each) the weight stream is prefetched ahead.
+constexpr int64_t kBlkAhead = 64;
+
+// For p in [0, NP) and m in [0, MR):
+//   y[m, 32p + 0:W] = sum over blocks j of s_p[j] * (sum_k xt[k, m] * q_p[k]) + o_p[j] * xs[j, m]
+// where W = NV vectors of columns (q, s, o and y may point into the middle
+// of a panel row), q_p = q + p * q_stride, s_p and o_p likewise with
+// so_stride, over `blocks` blocks of B k. x comes packed for the tile, xt
+// [K, MR] and its block sums xs [K/B, MR], so every broadcast is at a fixed
+// offset from one pointer. Every output's sums run in the same order
+// whatever MR and NP are (and round alike: see the asm below), so a
+// row comes out bit for bit the same whichever rows share the call: a
+// verify row equals the target-only step's, as with jspec_gemm_f32.
+template <int MR, int NV, int B, bool OFF, int NP>
+void BlkTile(const float* xt, const float* xs, const int8_t* q, int64_t q_stride, const float* s,
+             const float* o, int64_t so_stride, int64_t blocks, float* y, int64_t ldy) {
+  constexpr bool kInRegs = 2 * NP * MR * NV + NV + 3 <= kBlkRegs;
+  Vec out[kInRegs ? NP : 1][kInRegs ? MR : 1][NV];
+  if constexpr (kInRegs) {
+    for (int p = 0; p < NP; ++p) {
+      for (int m = 0; m < MR; ++m) {
+        for (int v = 0; v < NV; ++v) out[p][m][v] = Vec{};
+      }
+    }
+  }
+  for (int64_t j = 0; j < blocks; ++j) {
+    const int8_t* row = q + j * B * kPanel;
+    const float* xk = xt + j * B * MR;
+    Vec acc[NP][MR][NV];
+    for (int p = 0; p < NP; ++p) {
+      for (int m = 0; m < MR; ++m) {
+        for (int v = 0; v < NV; ++v) acc[p][m][v] = Vec{};
+      }
+    }
+#pragma GCC unroll 2
+    for (int kk = 0; kk < B; kk += 2) {
+      for (int p = 0; p < NP; ++p) {
+        __builtin_prefetch(row + p * q_stride + kBlkAhead * kPanel, 0, 3);  // a line per 2 rows
+      }
+#pragma GCC unroll 2
+      for (int r = 0; r < 2; ++r) {
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; ++p) {
+          Vec w[NV];
+          for (int v = 0; v < NV; ++v) w[v] = WidenS8(row + p * q_stride + r * kPanel + v * kLanes);
+#pragma GCC unroll 12
+          for (int m = 0; m < MR; ++m) {
+            const float b = xk[r * MR + m];
+            for (int v = 0; v < NV; ++v) acc[p][m][v] += b * w[v];
+          }
+        }
+      }
+      row += 2 * kPanel;
+      xk += 2 * MR;
+    }
+    for (int p = 0; p < NP; ++p) {
+      const float* sp = s + p * so_stride + j * kPanel;
+      const float* op = o + p * so_stride + j * kPanel;
+      __builtin_prefetch(sp + 8 * kPanel, 0, 3);
+      __builtin_prefetch(sp + 8 * kPanel + 16, 0, 3);
+      if (OFF) {
+        __builtin_prefetch(op + 8 * kPanel, 0, 3);
+        __builtin_prefetch(op + 8 * kPanel + 16, 0, 3);
+      }
+      for (int v = 0; v < NV; ++v) {
+        const Vec sv = Load(sp + v * kLanes);
+        const Vec ov = OFF ? Load(op + v * kLanes) : Vec{};
+#pragma GCC unroll 12
+        for (int m = 0; m < MR; ++m) {
+          // Each product rounded, then added (the asm keeps -ffp-contract
+          // from fusing them), alike in every tile.
+          Vec part = sv * acc[p][m][v];
+          asm("" : "+v"(part));
+          if (OFF) {
+            Vec shift = ov * xs[j * MR + m];
+            asm("" : "+v"(shift));
+            part += shift;
+          }
+          if constexpr (kInRegs) {
+            out[p][m][v] += part;
+          } else {
+            float* dst = y + m * ldy + p * kPanel + v * kLanes;
+            if (j > 0) part += Load(dst);
+            std::memcpy(dst, &part, sizeof(Vec));
+          }
+        }
+      }
+    }
+  }
+  if constexpr (kInRegs) {
+    for (int p = 0; p < NP; ++p) {
+      for (int m = 0; m < MR; ++m) {
+        for (int v = 0; v < NV; ++v) {
+          std::memcpy(y + m * ldy + p * kPanel + v * kLanes, &out[p][m][v], sizeof(Vec));
+        }
+      }
+    }
+  }
+}
+
+using BlkTileFn = void (*)(const float*, const float*, const int8_t*, int64_t, const float*,
+                          const float*, int64_t, int64_t, float*, int64_t);
+template <int B, bool OFF, int NP, int... R>
+constexpr std::array<BlkTileFn, sizeof...(R) + 1> MakeBlkTiles(std::integer_sequence<int, R...>) {
+  return {nullptr, BlkTile<R + 1, kBlkVecs, B, OFF, NP>...};
+}
+
+template <int B, bool OFF>
+void RunBlk(ffi::ThreadPool& pool, const float* xp, const int8_t* qp, const float* sp,
+            const float* op, int64_t m_size, int64_t k_size, int64_t panels, float* yp) {
+  static constexpr auto tiles =
+      MakeBlkTiles<B, OFF, 1>(std::make_integer_sequence<int, kBlkRows>{});
+  static constexpr auto step_tiles =
+      MakeBlkTiles<B, OFF, kBlkStepPanels>(std::make_integer_sequence<int, kBlkStepRows>{});
+  static constexpr BlkTileFn row_tile = BlkTile<1, kBlkVecs, B, OFF, kBlkRowPanels>;
+  const int64_t blocks = k_size / B, n_size = panels * kPanel;
+  const int64_t q_stride = k_size * kPanel, so_stride = blocks * kPanel;
+  // x packed per row tile: tile t (rows m0 .. m0 + r) as [K, r], then its
+  // block sums [K/B, r] (for the offsets).
+  const int64_t tiles_m = (m_size + kBlkRows - 1) / kBlkRows;
+  std::vector<float> packed(m_size * (k_size + blocks));
+  for (int64_t t = 0; t < tiles_m; ++t) {
+    const int64_t m0 = t * kBlkRows, r = std::min(kBlkRows, m_size - m0);
+    float* xt = packed.data() + m0 * (k_size + blocks);
+    float* xs = xt + r * k_size;
+    for (int64_t m = 0; m < r; ++m) {
+      const float* xm = xp + (m0 + m) * k_size;
+      for (int64_t k = 0; k < k_size; ++k) xt[k * r + m] = xm[k];
+      for (int64_t j = 0; j < blocks; ++j) {
+        float total = 0.0f;
+        for (int kk = 0; kk < B; ++kk) total += xm[j * B + kk];
+        xs[j * r + m] = total;
+      }
+    }
+  }
+  const float* xpk = packed.data();
+  // Panels in step: np per set, the last set's leftovers one at a time.
+  const int64_t np = m_size == 1 ? kBlkRowPanels : m_size <= kBlkStepRows ? kBlkStepPanels : 1;
+  const BlkTileFn step = m_size == 1 ? row_tile : m_size <= kBlkStepRows ? step_tiles[m_size]
+                                                                        : nullptr;
+  ForEachPanel(pool, (panels + np - 1) / np, [=](int64_t set) {
+    const int64_t p0 = set * np;
+    for (int64_t t = 0; t < tiles_m; ++t) {
+      const int64_t m0 = t * kBlkRows, r = std::min(kBlkRows, m_size - m0);
+      const float* xt = xpk + m0 * (k_size + blocks);
+      for (int64_t c = 0; c < kPanel; c += kBlkVecs * kLanes) {
+        auto run = [&](BlkTileFn tile, int64_t p) {
+          tile(xt, xt + r * k_size, qp + p * q_stride + c, q_stride, sp + p * so_stride + c,
+               OFF ? op + p * so_stride + c : nullptr, so_stride, blocks,
+               yp + m0 * n_size + p * kPanel + c, n_size);
+        };
+        if (np > 1 && p0 + np <= panels) {
+          run(step, p0);
+        } else {
+          for (int64_t p = p0; p < std::min(p0 + np, panels); ++p) run(tiles[r], p);
+        }
+      }
+    }
+  });
+}
+
+ffi::Error GemmBlkAny(const char* name, ffi::ThreadPool& pool, Matrix& x, S8Panels& q, Panels& s,
+                      Panels* o, ffi::Result<Matrix>& y) {
+  const auto xd = x.dimensions();
+  const auto qd = q.dimensions();
+  const auto sd = s.dimensions();
+  const auto yd = y->dimensions();
+  const int64_t blocks = sd[1];
+  bool ok = PanelShapes(xd, qd, yd) && sd[0] == qd[0] && sd[2] == kPanel && blocks > 0 &&
+            xd[1] % blocks == 0 && (xd[1] / blocks == 16 || xd[1] / blocks == 32);
+  if (o != nullptr) {
+    const auto od = o->dimensions();
+    ok = ok && od[0] == sd[0] && od[1] == sd[1] && od[2] == sd[2];
+  }
+  if (!ok) {
+    return ffi::Error::InvalidArgument(
+        std::string(name) + ": expected x [M, K] f32, q [N/32, K, 32] s8, s" +
+        (o != nullptr ? " and o" : "") + " [N/32, K/B, 32] f32 with B 16 or 32, y [M, N]");
+  }
+  const float* op = o != nullptr ? o->typed_data() : nullptr;
+  const int64_t b = xd[1] / blocks;
+  auto run = o != nullptr ? (b == 16 ? RunBlk<16, true> : RunBlk<32, true>)
+                          : (b == 16 ? RunBlk<16, false> : RunBlk<32, false>);
+  run(pool, x.typed_data(), q.typed_data(), s.typed_data(), op, xd[0], xd[1], qd[0],
+      y->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error GemmBlk(ffi::ThreadPool pool, Matrix x, S8Panels q, Panels s, Panels o,
+                   ffi::Result<Matrix> y) {
+  return GemmBlkAny("jspec_gemm_blk", pool, x, q, s, &o, y);
+}
+
+ffi::Error GemmBlkSym(ffi::ThreadPool pool, Matrix x, S8Panels q, Panels s, ffi::Result<Matrix> y) {
+  return GemmBlkAny("jspec_gemm_blk_sym", pool, x, q, s, nullptr, y);
+}
+
+// The layer variants take every layer's q, then every layer's s (then o):
+// 2L or 3L buffers after the index.
+template <int kParts>
+ffi::Error GemmBlkLayerAny(const char* name, ffi::ThreadPool& pool, Matrix& x, LayerIndex& layer,
+                           ffi::RemainingArgs& weights, ffi::Result<Matrix>& y) {
+  const int64_t layers = static_cast<int64_t>(weights.size()) / kParts;
+  const int64_t i = *layer.typed_data();
+  if (static_cast<int64_t>(weights.size()) % kParts != 0 || i < 0 || i >= layers) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": layer " + std::to_string(i) +
+                                       " outside [0, " + std::to_string(layers) + ") or " +
+                                       std::to_string(weights.size()) + " buffers not " +
+                                       std::to_string(kParts) + " per layer");
+  }
+  auto q = weights.get<S8Panels>(i);
+  if (!q.has_value()) return q.error();
+  auto s = weights.get<Panels>(layers + i);
+  if (!s.has_value()) return s.error();
+  if (kParts == 2) return GemmBlkAny(name, pool, x, *q, *s, nullptr, y);
+  auto o = weights.get<Panels>(2 * layers + i);
+  if (!o.has_value()) return o.error();
+  return GemmBlkAny(name, pool, x, *q, *s, &*o, y);
+}
+
+ffi::Error GemmBlkLayer(ffi::ThreadPool pool, Matrix x, LayerIndex layer,
+                        ffi::RemainingArgs weights, ffi::Result<Matrix> y) {
+  return GemmBlkLayerAny<3>("jspec_gemm_blk_layer", pool, x, layer, weights, y);
+}
+
+ffi::Error GemmBlkSymLayer(ffi::ThreadPool pool, Matrix x, LayerIndex layer,
+                           ffi::RemainingArgs weights, ffi::Result<Matrix> y) {
+  return GemmBlkLayerAny<2>("jspec_gemm_blk_sym_layer", pool, x, layer, weights, y);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlk, GemmBlk,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<S8Panels>()
+                                  .Arg<Panels>()
+                                  .Arg<Panels>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlkSym, GemmBlkSym,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<S8Panels>()
+                                  .Arg<Panels>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlkLayer, GemmBlkLayer,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<LayerIndex>()
+                                  .RemainingArgs()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlkSymLayer, GemmBlkSymLayer,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<LayerIndex>()
+                                  .RemainingArgs()
+                                  .Ret<Matrix>());
+
+// jspec_gemm_bf16: float activations times bfloat16 weights widened exactly
+// to float32 (a bfloat16 is the top half of a float32: a 16-bit shift):
+//
+//   jspec_gemm_bf16(x [M, K] f32, w [P, K, 32] bf16) -> y [M, P * 32] f32
+//
+// Why: a checkpoint stored in bfloat16 (HF's Qwen2.5 is) holds its model in
+// half of float32's bytes, and a decode step is bound by the bytes it reads.
+// The tiles are the block kernel's without the blocks: x packed per row
+// tile, one row reading four panels in step (AVX2: two), two or three rows
+// two, more rows in tiles of up to 12 (AVX2: 6 rows x half a panel). Every
+// output is one FMA chain over k in order, whatever the tile, so a row comes
+// out bit for bit the same whichever rows share the call.
+namespace {
+
+// kLanes bfloat16 weights as a Vec of floats: each zero-extended to 32 bits
+// and shifted into the top half.
+inline Vec WidenBf16(const uint16_t* w) {
+#if defined(__AVX512F__)
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
+#elif defined(__AVX2__)
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  const __m256i bits = _mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16);
+#else
+  uint32_t bits[kLanes];
+  for (int i = 0; i < kLanes; ++i) bits[i] = static_cast<uint32_t>(w[i]) << 16;
+#endif
+  Vec out;
+  std::memcpy(&out, &bits, sizeof(Vec));
+  return out;
+}
+
+// Panel rows (64 bytes each) the weight stream is prefetched ahead.
+constexpr int64_t kBf16Ahead = 32;
+
+// y[m, 32p + 0:W] = sum_k xt[k, m] * w_p[k, 0:W] for p in [0, NP), m in [0, MR),
+// W = NV vectors (w and y may point into the middle of a panel row),
+// w_p = w + p * stride; x packed for the tile as xt [K, MR].
+template <int MR, int NV, int NP>
+void Bf16Tile(const float* xt, const uint16_t* w, int64_t stride, int64_t k_size, float* y,
+              int64_t ldy) {
+  Vec acc[NP][MR][NV];
+  for (int p = 0; p < NP; ++p) {
+    for (int m = 0; m < MR; ++m) {
+      for (int v = 0; v < NV; ++v) acc[p][m][v] = Vec{};
+    }
+  }
+  for (int64_t k = 0; k < k_size; ++k) {
+    const uint16_t* row = w + k * kPanel;
+    const float* xk = xt + k * MR;
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) {
+      __builtin_prefetch(row + p * stride + kBf16Ahead * kPanel, 0, 3);  // a line per row
+      Vec wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = WidenBf16(row + p * stride + v * kLanes);
+#pragma GCC unroll 12
+      for (int m = 0; m < MR; ++m) {
+        const float b = xk[m];
+        for (int v = 0; v < NV; ++v) acc[p][m][v] += b * wv[v];
+      }
+    }
+  }
+  for (int p = 0; p < NP; ++p) {
+    for (int m = 0; m < MR; ++m) {
+      for (int v = 0; v < NV; ++v) {
+        std::memcpy(y + m * ldy + p * kPanel + v * kLanes, &acc[p][m][v], sizeof(Vec));
+      }
+    }
+  }
+}
+
+using Bf16TileFn = void (*)(const float*, const uint16_t*, int64_t, int64_t, float*, int64_t);
+template <int NP, int... R>
+constexpr std::array<Bf16TileFn, sizeof...(R) + 1> MakeBf16Tiles(std::integer_sequence<int, R...>) {
+  return {nullptr, Bf16Tile<R + 1, kBlkVecs, NP>...};
+}
+
+using Bf16Panels = ffi::Buffer<ffi::BF16, 3>;
+
+ffi::Error GemmBf16(ffi::ThreadPool pool, Matrix x, Bf16Panels w, ffi::Result<Matrix> y) {
+  static constexpr auto tiles = MakeBf16Tiles<1>(std::make_integer_sequence<int, kBlkRows>{});
+  static constexpr auto step_tiles =
+      MakeBf16Tiles<kBlkStepPanels>(std::make_integer_sequence<int, kBlkStepRows>{});
+  static constexpr Bf16TileFn row_tile = Bf16Tile<1, kBlkVecs, kBlkRowPanels>;
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto yd = y->dimensions();
+  if (!PanelShapes(xd, wd, yd)) {
+    return ffi::Error::InvalidArgument(
+        "jspec_gemm_bf16: expected x [M, K] f32, w [N/32, K, 32] bf16 and y [M, N]");
+  }
+  const float* xp = x.typed_data();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.typed_data());
+  float* yp = y->typed_data();
+  const int64_t m_size = xd[0], k_size = xd[1], panels = wd[0], n_size = yd[1];
+  const int64_t stride = k_size * kPanel;
+  // x packed per row tile: tile t (rows m0 .. m0 + r) as [K, r].
+  const int64_t tiles_m = (m_size + kBlkRows - 1) / kBlkRows;
+  std::vector<float> packed(m_size * k_size);
+  for (int64_t t = 0; t < tiles_m; ++t) {
+    const int64_t m0 = t * kBlkRows, r = std::min(kBlkRows, m_size - m0);
+    float* xt = packed.data() + m0 * k_size;
+    for (int64_t m = 0; m < r; ++m) {
+      for (int64_t k = 0; k < k_size; ++k) xt[k * r + m] = xp[(m0 + m) * k_size + k];
+    }
+  }
+  const float* xpk = packed.data();
+  const int64_t np = m_size == 1 ? kBlkRowPanels : m_size <= kBlkStepRows ? kBlkStepPanels : 1;
+  const Bf16TileFn step = m_size == 1 ? row_tile : m_size <= kBlkStepRows ? step_tiles[m_size]
+                                                                         : nullptr;
+  ForEachPanel(pool, (panels + np - 1) / np, [=](int64_t set) {
+    const int64_t p0 = set * np;
+    for (int64_t t = 0; t < tiles_m; ++t) {
+      const int64_t m0 = t * kBlkRows, r = std::min(kBlkRows, m_size - m0);
+      for (int64_t c = 0; c < kPanel; c += kBlkVecs * kLanes) {
+        auto run = [&](Bf16TileFn tile, int64_t p) {
+          tile(xpk + m0 * k_size, wp + p * stride + c, stride, k_size,
+               yp + m0 * n_size + p * kPanel + c, n_size);
+        };
+        if (np > 1 && p0 + np <= panels) {
+          run(step, p0);
+        } else {
+          for (int64_t p = p0; p < std::min(p0 + np, panels); ++p) run(tiles[r], p);
+        }
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error GemmBf16Layer(ffi::ThreadPool pool, Matrix x, LayerIndex layer,
+                         ffi::RemainingArgs weights, ffi::Result<Matrix> y) {
+  return WithLayer<Bf16Panels>("jspec_gemm_bf16_layer", layer, weights,
+                               [&](Bf16Panels w) { return GemmBf16(pool, x, w, y); });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBf16, GemmBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<Bf16Panels>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBf16Layer, GemmBf16Layer,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<LayerIndex>()
+                                  .RemainingArgs()
+                                  .Ret<Matrix>());

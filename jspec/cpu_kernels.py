@@ -49,11 +49,16 @@ GROUP = 4  # k per int8 lane (`vpdpbusd`)
 TARGET = "jspec_gemm_f32"  # the FFI target names inside compiled programs
 TARGET_INT8 = "jspec_gemm_i8"  # u8 x s8, AVX-512 VNNI
 TARGET_S8 = "jspec_gemm_s8"  # s8 x s8, AVX2
+TARGET_BLK = "jspec_gemm_blk"  # f32 x int8 blocks with scales and offsets (`matmul_blocks`)
+TARGET_BLK_SYM = "jspec_gemm_blk_sym"  # the same without offsets
+TARGET_BF16 = "jspec_gemm_bf16"  # f32 x bf16 panels widened exactly (`matmul_bf16`)
 # The same products with the weight picked from one buffer per layer (`LayerPick`).
-LAYER_TARGETS = {t: t + "_layer" for t in (TARGET, TARGET_INT8, TARGET_S8)}
+LAYER_TARGETS = {t: t + "_layer" for t in (TARGET, TARGET_INT8, TARGET_S8, TARGET_BLK,
+                                           TARGET_BLK_SYM, TARGET_BF16)}
 TARGET_ATTEND = "jspec_attend_f32"  # decode attention over the cache (`jspec.cpu_attention`)
 TARGET_F32S8 = "jspec_gemm_f32s8"  # f32 x s8 -> f32, the greedy head's estimate (`jspec.greedy_head`)
-TARGETS = (TARGET, TARGET_INT8, TARGET_S8, *LAYER_TARGETS.values(), TARGET_ATTEND, TARGET_F32S8)
+TARGETS = (TARGET, TARGET_INT8, TARGET_S8, *LAYER_TARGETS.values(), TARGET_ATTEND, TARGET_F32S8,
+           TARGET_BLK, TARGET_BLK_SYM, TARGET_BF16)
 SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
 # The attention kernel, built into the same library; both sources include the
 # thread helpers of HEADERS.
@@ -62,7 +67,10 @@ HEADERS = (pathlib.Path(__file__).with_name("cpu_threads.h"),)
 _SYMBOLS = {TARGET: "JspecGemmF32", TARGET_INT8: "JspecGemmI8", TARGET_S8: "JspecGemmS8",
             LAYER_TARGETS[TARGET]: "JspecGemmF32Layer", LAYER_TARGETS[TARGET_INT8]: "JspecGemmI8Layer",
             LAYER_TARGETS[TARGET_S8]: "JspecGemmS8Layer", TARGET_ATTEND: "JspecAttendF32",
-            TARGET_F32S8: "JspecGemmF32S8"}
+            TARGET_F32S8: "JspecGemmF32S8", TARGET_BLK: "JspecGemmBlk",
+            TARGET_BLK_SYM: "JspecGemmBlkSym", LAYER_TARGETS[TARGET_BLK]: "JspecGemmBlkLayer",
+            LAYER_TARGETS[TARGET_BLK_SYM]: "JspecGemmBlkSymLayer", TARGET_BF16: "JspecGemmBf16",
+            LAYER_TARGETS[TARGET_BF16]: "JspecGemmBf16Layer"}
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
 # How long the compiler may run before jspec gives up on the kernels for
 # this process and uses XLA's dot. On the 2-core host the build took 19 s
@@ -483,3 +491,149 @@ def build(source: pathlib.Path = SOURCE) -> pathlib.Path:
   finally:
     pathlib.Path(tmp).unlink(missing_ok=True)
   return path
+
+
+# --- int8 block weights (`convert.gguf_blocks`): the compact target ---
+
+BLOCK_SIZES = (16, 32)  # weights per scale that `jspec_gemm_blk` takes
+
+
+def pack_blocks(q: jax.Array, scale: jax.Array, offset: Optional[jax.Array] = None
+                ) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
+  """An int8 block matrix [out, in] as the block kernel's panels, each output column's K contiguous.
+
+  The matrix is w[n, k] = scale[n, k // B] * q[n, k] + offset[n, k // B]
+  (`convert.gguf_blocks.Blocks`, [out, in] like HF); its panels lay it out
+  as `pack` lays out a float [in, out] kernel, so that the same x @ W reads
+  a quarter of the bytes.
+
+  Args:
+    q: [N, K] int8, N a multiple of `PANEL`.
+    scale: [N, K / B] float32, B in `BLOCK_SIZES` (any B for the einsum).
+    offset: [N, K / B] float32, or None.
+
+  Returns:
+    (qpanels [N/32, K, 32] int8 with qpanels[p, k, c] = q[32p + c, k],
+    spanels [N/32, K/B, 32] float32 with spanels[p, j, c] = scale[32p + c, j],
+    opanels the same for offset, or None).
+
+  Raises:
+    ValueError: N is not a multiple of `PANEL`, q is not int8, or the scales do not divide K.
+  """
+  n, k = q.shape
+  if n % PANEL or q.dtype != jnp.int8:
+    raise ValueError(f"cannot pack a [{n}, {k}] {q.dtype} block matrix: expected int8 with rows "
+                     f"a multiple of {PANEL}")
+  if scale.ndim != 2 or scale.shape[0] != n or not scale.shape[1] or k % scale.shape[1]:
+    raise ValueError(f"scales {scale.shape} do not divide a [{n}, {k}] matrix into blocks")
+  if offset is not None and offset.shape != scale.shape:
+    raise ValueError(f"offsets {offset.shape} differ from scales {scale.shape}")
+  qp, sp = _pack_blocks(jnp.asarray(q), jnp.asarray(scale, jnp.float32))
+  op = None if offset is None else _pack(jnp.asarray(offset, jnp.float32).T)
+  return qp, sp, op
+
+
+@jax.jit
+def _pack_blocks(q: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return _pack(q.T), _pack(scale.T)  # [N/32, K, 32], [N/32, K/B, 32]
+
+
+def unpack_blocks(qpanels: jax.Array, spanels: jax.Array, opanels: Optional[jax.Array] = None
+                  ) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
+  """The inverse of `pack_blocks`: (q [N, K], scale [N, K/B], offset or None), new arrays."""
+  return (_unpack(jnp.asarray(qpanels)).T, _unpack(jnp.asarray(spanels)).T,
+          None if opanels is None else _unpack(jnp.asarray(opanels)).T)
+
+
+def widen_blocks(qpanels: jax.Array, spanels: jax.Array, opanels: Optional[jax.Array] = None
+                 ) -> jax.Array:
+  """The float32 panels that block panels define: scale * q + offset, [N/32, K, 32].
+
+  Args:
+    qpanels, spanels, opanels: as `pack_blocks` returns them.
+
+  Returns:
+    [N/32, K, 32] float32, as `pack` lays out the widened [K, N] matrix.
+  """
+  p, k, width = qpanels.shape
+  blocks = spanels.shape[1]
+  w = qpanels.astype(jnp.float32).reshape(p, blocks, k // blocks, width) * spanels[:, :, None, :]
+  if opanels is not None:
+    w = w + opanels[:, :, None, :]
+  return w.reshape(p, k, width)
+
+
+def matmul_blocks(x: jax.Array, qpanels, spanels, opanels=None) -> jax.Array:
+  """x @ W for W stored as int8 block panels: [..., K] -> [..., N] float32.
+
+  Runs `jspec_gemm_blk` (or `_sym` without offsets) where the kernel is
+  available, x is float32, B is in `BLOCK_SIZES` and the program runs on
+  CPU; otherwise an einsum over `widen_blocks`. The kernel sums in another
+  order than the einsum (a decode step's few rows block by block; many rows
+  exactly as `matmul` over the widened panels).
+
+  Args:
+    x: [..., K] float32 activations.
+    qpanels: [N/32, K, 32] int8, or a `LayerPick` of such.
+    spanels: [N/32, K/B, 32] float32 (a `LayerPick` where qpanels is one).
+    opanels: [N/32, K/B, 32] float32, None, or a `LayerPick`.
+
+  Returns:
+    [..., N] float32.
+  """
+  lead, k = x.shape[:-1], x.shape[-1]
+  p, _, width = qpanels.shape
+  blocks = spanels.shape[1]
+  rows = x.reshape(-1, k)  # [M, K]
+  picks = [w for w in (qpanels, spanels, opanels) if w is not None]
+  layered = isinstance(qpanels, LayerPick)
+  if any(isinstance(w, LayerPick) != layered for w in picks):
+    raise ValueError("matmul_blocks: q, scales and offsets must all be LayerPicks or all arrays")
+  if (x.dtype == jnp.float32 and k % blocks == 0 and k // blocks in BLOCK_SIZES and available()
+      and jax.default_backend() == "cpu"):
+    target = TARGET_BLK if opanels is not None else TARGET_BLK_SYM
+    out_type = jax.ShapeDtypeStruct((rows.shape[0], p * width), jnp.float32)
+    if layered:
+      buffers = [b for w in picks for b in w.weights]
+      y = jax.ffi.ffi_call(LAYER_TARGETS[target], out_type)(
+          rows, qpanels.index.astype(jnp.int32), *buffers)
+    else:
+      y = jax.ffi.ffi_call(target, out_type)(rows, *picks)
+  else:
+    if layered:
+      qpanels, spanels = qpanels.value(), spanels.value()
+      opanels = None if opanels is None else opanels.value()
+    w = widen_blocks(qpanels, spanels, opanels)
+    y = jnp.einsum("mk,pkw->mpw", rows.astype(jnp.float32), w).reshape(rows.shape[0], p * width)
+  return y.reshape(*lead, p * width)
+
+
+def matmul_bf16(x: jax.Array, panels) -> jax.Array:
+  """x @ W for a bfloat16 W stored as panels, in float32: [..., K] x [N/32, K, 32] -> [..., N].
+
+  Each weight is widened to float32 exactly (a bfloat16 is a float32's top
+  half), so this is `matmul` over the widened panels, reading half the
+  bytes: `jspec_gemm_bf16` where the kernel is available, x is float32 and
+  the program runs on CPU, else an einsum over the widened panels (the two
+  sum in different orders).
+
+  Args:
+    x: [..., K] float32 activations.
+    panels: W [K, N] as `pack` lays it out, bfloat16, or a `LayerPick` of such.
+
+  Returns:
+    [..., N] float32.
+  """
+  lead, k = x.shape[:-1], x.shape[-1]
+  p, _, width = panels.shape
+  rows = x.reshape(-1, k)  # [M, K]
+  if (x.dtype == jnp.float32 and panels.dtype == jnp.bfloat16 and available()
+      and jax.default_backend() == "cpu"):
+    out_type = jax.ShapeDtypeStruct((rows.shape[0], p * width), jnp.float32)
+    y = _call(TARGET_BF16, out_type, rows, panels)
+  else:
+    if isinstance(panels, LayerPick):
+      panels = panels.value()
+    y = jnp.einsum("mk,pkw->mpw", rows.astype(jnp.float32),
+                   panels.astype(jnp.float32)).reshape(rows.shape[0], p * width)
+  return y.reshape(*lead, p * width)
