@@ -68,18 +68,21 @@ def assemble(source, dtype: Any = "float32", put: Optional[Callable[[np.ndarray]
 
   Args:
     source: from `open_source`.
-    dtype: params dtype: "float32", "bfloat16" or "float16".
-    put: applied to each converted tensor (e.g. `jax.device_put`); None keeps numpy.
+    dtype: params dtype: "float32", "bfloat16" or "float16", or `keys.EXACT`
+      (GGUF quantized matrices as exact int8 blocks, bfloat16 as it is).
+    put: applied to each converted array (e.g. `jax.device_put`); None keeps numpy.
     progress: show a tqdm bar over tensors on stderr.
 
   Returns:
-    (config, {jspec path: tensor}).
+    (config, {jspec path: tensor}): arrays, and with `keys.EXACT`
+    `gguf_blocks.Blocks` (numpy, HF orientation) for quantized matrices.
   """
   assembler = keys.Assembler(source.config, dtype, put, source=str(source.path))
   names = tqdm.tqdm(source.names, desc=f"converting {source.path.name}", unit="tensor",
                     disable=not progress)
+  exact = dtype == keys.EXACT
   for name in names:
-    assembler.add(name, source.read(name), label=source.label(name))
+    assembler.add(name, source.read(name, exact=exact), label=source.label(name))
   return source.config, assembler.finish()
 
 

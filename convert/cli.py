@@ -31,8 +31,10 @@ def build_parser(prog: str = "python -m convert") -> argparse.ArgumentParser:
       "file into one jspec safetensors file that loads without conversion.")
   parser.add_argument("src", help="HF checkpoint directory (config.json + safetensors) or .gguf file")
   parser.add_argument("out", help="output file (or an existing directory: OUT/jspec.safetensors)")
-  parser.add_argument("--dtype", default="float32", choices=sorted(keys.DTYPES),
-                      help="params dtype (default: float32; keep float32 on CPU)")
+  parser.add_argument("--dtype", default=keys.EXACT, choices=[keys.EXACT] + sorted(keys.DTYPES),
+                      help="how weights are stored: exact (GGUF quantized matrices as the "
+                      "int8 blocks that hold them exactly, bfloat16 as it is; default) or one "
+                      "float type for all")
   return parser
 
 

@@ -83,6 +83,15 @@ class Blocks:
     """Bytes of the compact form: q, scales and offsets."""
     return self.q.nbytes + self.scale.nbytes + (0 if self.offset is None else self.offset.nbytes)
 
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The matrix's shape, [out, in]."""
+    return tuple(self.q.shape)
+
+  def widen(self) -> np.ndarray:
+    """The float32 matrix these blocks define (`widen`)."""
+    return widen(self.q, self.scale, self.offset, self.block)
+
 
 def widen(q: np.ndarray, scale: np.ndarray, offset: Optional[np.ndarray], block: int) -> np.ndarray:
   """The float32 weights that int8 blocks define, as gguf-py's dequantizer computes them.

@@ -32,8 +32,9 @@ try:
 except ImportError:
   gguf = quants = None
 
-from convert import keys
 from convert import config as config_lib
+from convert import gguf_blocks
+from convert import keys
 
 MAGIC = b"GGUF"
 # Rows dequantized at once: bounds the dequantizers' temporaries to a few
@@ -147,17 +148,36 @@ class Source:
     """
     return self._tensors[name].name
 
-  def read(self, name: str) -> np.ndarray:
-    """Dequantizes one tensor.
+  def read(self, name: str, exact: bool = False):
+    """Dequantizes one tensor, or with `exact` keeps a quantized matrix's own numbers.
 
     Args:
       name: an HF tensor name from `names`.
+      exact: return a quantized matrix whose values int8 blocks hold exactly
+        as `gguf_blocks.Blocks` and a BF16 one as bfloat16 (`keys.EXACT`).
 
     Returns:
-      float32 array in HF orientation ([out, in] for weights).
+      float32 array in HF orientation ([out, in] for weights), or with
+      `exact` a `gguf_blocks.Blocks` or a bfloat16 array where those hold it.
     """
     t = self._tensors[name]
     shape = tuple(int(d) for d in reversed(t.shape))
+    if exact and len(shape) == 2 and t.tensor_type.name in gguf_blocks.EXACT_TYPES:
+      try:
+        blocks = gguf_blocks.from_tensor(t)
+      except gguf_blocks.InexactError:
+        blocks = None
+      except Exception as e:  # data cut short
+        raise keys.ConvertError(f"{self.path}: cannot read tensor {t.name!r} "
+                                f"({t.tensor_type.name}, shape {shape}) as int8 blocks: "
+                                f"{type(e).__name__}: {e}") from None
+      if blocks is not None:
+        if blocks.shape != shape:
+          raise keys.ConvertError(f"{self.path}: tensor {t.name!r} has blocks of shape "
+                                  f"{blocks.shape}, expected {shape}")
+        return blocks
+    if exact and t.tensor_type.name == "BF16":
+      return np.asarray(t.data).view(keys.DTYPES["bfloat16"]).reshape(shape)
     try:
       data = t.data
       if data.ndim < 2:

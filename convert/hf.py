@@ -110,11 +110,12 @@ class Source:
     """
     return name
 
-  def read(self, name: str) -> np.ndarray:
+  def read(self, name: str, exact: bool = False) -> np.ndarray:
     """Reads one tensor.
 
     Args:
       name: an HF tensor name from `names`.
+      exact: unused: a safetensors tensor is always returned as stored.
 
     Returns:
       The tensor as stored (HF orientation, its own dtype).

@@ -47,18 +47,27 @@ DTYPES = {
 }
 
 
-def resolve_dtype(dtype: Any) -> np.dtype:
+# The storage that keeps a checkpoint's own numbers: GGUF quantized matrices
+# as exact int8 blocks (`convert.gguf_blocks`), bfloat16 as bfloat16, the rest
+# as float32 (float16 widens to it exactly).
+EXACT = "exact"
+
+
+def resolve_dtype(dtype: Any) -> Optional[np.dtype]:
   """Maps "float32" / "bfloat16" / "float16" (or the dtype itself) to a numpy dtype.
 
   Args:
-    dtype: a name from `DTYPES`, or a numpy/jax dtype.
+    dtype: a name from `DTYPES`, `EXACT`, or a numpy/jax dtype.
 
   Returns:
-    The numpy dtype.
+    The numpy dtype, or None for `EXACT` (each tensor keeps its own form).
   """
   if isinstance(dtype, str):
+    if dtype == EXACT:
+      return None
     if dtype not in DTYPES:
-      raise ConvertError(f"dtype {dtype!r} is not supported; expected one of {sorted(DTYPES)}")
+      raise ConvertError(f"dtype {dtype!r} is not supported; expected one of "
+                         f"{sorted(DTYPES) + [EXACT]}")
     return DTYPES[dtype]
   d = np.dtype(dtype)
   if d not in DTYPES.values():
@@ -222,18 +231,20 @@ def is_ignored(hf_name: str) -> bool:
   return any(re.fullmatch(p, hf_name) for p in _IGNORED)
 
 
-def convert_weight(hf_name: str, array: np.ndarray, cfg: config_lib.Qwen2Config,
-                   dtype: Any = "float32") -> tuple[str, np.ndarray]:
+def convert_weight(hf_name: str, array: Any, cfg: config_lib.Qwen2Config,
+                   dtype: Any = "float32") -> tuple[str, Any]:
   """Checks one HF tensor's shape, then transposes and casts it for jspec.
 
   Args:
     hf_name: the HF tensor name.
-    array: the tensor in HF orientation ([out, in] for Linear weights).
+    array: the tensor in HF orientation ([out, in] for Linear weights): a
+      numpy array, or (exact storage) a `gguf_blocks.Blocks`.
     cfg: the model config the tensor must agree with.
-    dtype: the params dtype (see `resolve_dtype`).
+    dtype: the params dtype, or `EXACT` (see `resolve_dtype`).
 
   Returns:
-    (jspec path, C-contiguous array of the jspec shape and dtype).
+    (jspec path, C-contiguous array of the jspec shape and dtype); a
+    `gguf_blocks.Blocks` stays as it is, in HF orientation.
 
   Raises:
     ConvertError: unmapped name, wrong shape, or NaN/Inf values.
@@ -243,14 +254,39 @@ def convert_weight(hf_name: str, array: np.ndarray, cfg: config_lib.Qwen2Config,
   if tuple(array.shape) != want:
     raise ConvertError(f"tensor {hf_name!r} has shape {tuple(array.shape)}, expected "
                        f"({rule.shape}) = {want} from the config")
+  if not isinstance(array, np.ndarray):  # int8 blocks: their scales must be finite numbers
+    parts = [array.scale] + ([] if array.offset is None else [array.offset])
+    if not all(np.isfinite(part).all() for part in parts):
+      raise ConvertError(f"tensor {hf_name!r} holds NaN or Inf block scales")
+    return path, array
   if rule.transpose:
     array = array.T
+  cast = resolve_dtype(dtype)
+  if cast is None:  # exact: bfloat16 and float32 as they are, float16 widened exactly
+    cast = array.dtype if array.dtype in (DTYPES["float32"], DTYPES["bfloat16"]) else np.float32
   # Contiguous: safetensors writes raw buffers, and a transposed view's buffer
   # is the untransposed data.
-  array = np.ascontiguousarray(array, dtype=resolve_dtype(dtype))
+  array = np.ascontiguousarray(array, dtype=cast)
   if not np.isfinite(array).all():
     raise ConvertError(f"tensor {hf_name!r} holds NaN or Inf values (in {array.dtype})")
   return path, array
+
+
+def transposed(cfg: config_lib.Qwen2Config) -> frozenset[str]:
+  """The jspec paths whose tensors jspec holds transposed from HF's [out, in] (the matrices)."""
+  return frozenset(path for path, _, rule in _rules_for(cfg) if rule.transpose)
+
+
+def hf_shapes(cfg: config_lib.Qwen2Config) -> dict[str, tuple[int, ...]]:
+  """The shape each jspec path has in HF orientation ([out, in] for matrices and tables).
+
+  Args:
+    cfg: the model config.
+
+  Returns:
+    jspec path -> shape, as `expected_shapes` orders them.
+  """
+  return {path: _shape(rule.shape, cfg) for path, _, rule in _rules_for(cfg)}
 
 
 class Assembler:
@@ -270,7 +306,8 @@ class Assembler:
       source: a name for error messages (the file or directory).
     """
     self.cfg = cfg
-    self.dtype = resolve_dtype(dtype)
+    resolve_dtype(dtype)  # a bad dtype fails here, before any tensor
+    self.dtype = dtype
     self.put = put or (lambda x: x)
     self.source = source
     self._seen: dict[str, str] = {}  # jspec path -> HF name it came from
@@ -278,8 +315,11 @@ class Assembler:
     self._tied_head: Optional[np.ndarray] = None
 
   def _check_tied_head(self) -> None:
-    embed = np.asarray(self._tensors.get("embed/table"))
-    head = self._tied_head.astype(self.dtype)
+    embed, head = self._tensors.get("embed/table"), self._tied_head
+    embed, head = (x.widen() if hasattr(x, "widen") else x for x in (embed, head))  # int8 blocks
+    embed = np.asarray(embed)
+    head = np.asarray(head)
+    head = head.astype(embed.dtype)
     if embed.shape != head.shape or not np.array_equal(embed, head):
       raise ConvertError(f"{self.source}: the config ties the output head to the embeddings "
                          "(tie_word_embeddings=True) but the checkpoint's lm_head.weight differs "
@@ -299,7 +339,7 @@ class Assembler:
       return
     if hf_name == "lm_head.weight" and self.cfg.tie_word_embeddings:
       # Some exporters write the tied head out as well; it must be the embedding.
-      self._tied_head = np.asarray(array)
+      self._tied_head = array if not isinstance(array, np.ndarray) else np.asarray(array)
       return
     try:
       path, converted = convert_weight(hf_name, array, self.cfg, self.dtype)
@@ -310,7 +350,7 @@ class Assembler:
       raise ConvertError(f"{self.source}: tensor {hf_name!r} appears twice "
                          f"(as {self._seen[path]!r} before)")
     self._seen[path] = hf_name
-    self._tensors[path] = self.put(converted)
+    self._tensors[path] = self.put(converted) if isinstance(converted, np.ndarray) else converted
 
   def finish(self) -> dict[str, Any]:
     """Returns the tensors once every one the model needs has been added.

@@ -25,11 +25,12 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from convert import keys
 from convert import config as config_lib
+from convert import gguf_blocks
+from convert import keys
 
 FORMAT = "jspec"
-FORMAT_VERSION = "2"  # 2: jspec.model's NNX param paths
+FORMAT_VERSION = "3"  # 2: jspec.model's NNX param paths; 3: int8 blocks (`gguf_blocks`)
 # The file name used when the destination given is a directory.
 DEFAULT_NAME = "jspec.safetensors"
 
@@ -74,22 +75,59 @@ def is_jspec_file(path) -> bool:
   return path.is_file() and (_read_metadata(path) or {}).get("format") == FORMAT
 
 
+def _names(tensors_or_blocks: dict[str, Any]) -> dict[str, Any]:
+  """The file's tensors for `save`: int8 blocks as their q, scale and offset under names of their own."""
+  out = {}
+  for path, value in tensors_or_blocks.items():
+    if isinstance(value, gguf_blocks.Blocks):
+      out[path + ":q"], out[path + ":scale"] = value.q, value.scale
+      if value.offset is not None:
+        out[path + ":offset"] = value.offset
+    else:
+      out[path] = value
+  return out
+
+
 def _check(cfg: config_lib.Qwen2Config, shapes: dict[str, tuple], dtypes: dict[str, Any],
-           source: str) -> None:
-  """Raises unless `shapes` holds exactly the params of `cfg`, all of one dtype."""
-  want = keys.expected_shapes(cfg)
-  missing = [p for p in want if p not in shapes]
-  extra = [p for p in shapes if p not in want]
+           blocks: dict[str, int], source: str) -> None:
+  """Raises unless the file's tensors are exactly the params of `cfg`, each of its shape.
+
+  Args:
+    cfg: the config.
+    shapes: file tensor name -> shape.
+    dtypes: file tensor name -> dtype name.
+    blocks: jspec path -> block size, for the matrices stored as int8 blocks.
+    source: a name for error messages.
+  """
+  want, hf = keys.expected_shapes(cfg), keys.hf_shapes(cfg)
+  expected = {}
+  for p in want:
+    if p in blocks:
+      out, inp = hf[p]
+      b = blocks[p]
+      if not isinstance(b, int) or b < 1 or inp % b:
+        raise keys.ConvertError(f"{source}: tensor {p!r} has blocks of {b!r}: expected a size "
+                                f"dividing its {inp} inputs")
+      expected[p + ":q"] = hf[p]
+      expected[p + ":scale"] = (out, inp // b)
+      if p + ":offset" in shapes:
+        expected[p + ":offset"] = (out, inp // b)
+    else:
+      expected[p] = want[p]
+  missing = [p for p in expected if p not in shapes]
+  extra = [p for p in shapes if p not in expected]
   if missing or extra:
     raise keys.ConvertError(f"{source}: tensors do not match the config: missing {missing[:5]}, "
                             f"unexpected {extra[:5]}")
   for p, shape in shapes.items():
-    if tuple(shape) != want[p]:
+    if tuple(shape) != expected[p]:
       raise keys.ConvertError(f"{source}: tensor {p!r} has shape {tuple(shape)}, "
-                              f"expected {want[p]} from the config")
-  kinds = sorted(set(str(d) for d in dtypes.values()))
-  if len(kinds) != 1:
-    raise keys.ConvertError(f"{source}: tensors have mixed dtypes {kinds}; expected one")
+                              f"expected {expected[p]} from the config")
+    kind = str(dtypes[p]).lower()
+    ok = (("int8", "i8") if p.endswith(":q") else
+          ("float32", "f32") if ":" in p else ("float32", "f32", "bfloat16", "bf16", "float16", "f16"))
+    if kind not in ok:
+      raise keys.ConvertError(f"{source}: tensor {p!r} is {kind}: expected {ok[0]}")
 
 
 def save(path, cfg: config_lib.Qwen2Config, tensors: dict[str, Any]) -> pathlib.Path:
@@ -108,12 +146,13 @@ def save(path, cfg: config_lib.Qwen2Config, tensors: dict[str, Any]) -> pathlib.
     ConvertError: the params do not match the config.
   """
   path = resolve_path(path)
+  blocks = {p: x.block for p, x in tensors.items() if isinstance(x, gguf_blocks.Blocks)}
   # np.asarray of a jax array on CPU is a view of its buffer, not a copy.
-  tensors = {p: np.asarray(x) for p, x in tensors.items()}
+  tensors = {p: np.asarray(x) for p, x in _names(tensors).items()}
   _check(cfg, {p: x.shape for p, x in tensors.items()},
-         {p: x.dtype for p, x in tensors.items()}, str(path))
+         {p: x.dtype for p, x in tensors.items()}, blocks, str(path))
   meta = {"format": FORMAT, "format_version": FORMAT_VERSION,
-          "config": json.dumps(cfg.to_dict(), sort_keys=True)}
+          "config": json.dumps(cfg.to_dict(), sort_keys=True), "blocks": json.dumps(blocks)}
   path.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
   os.close(fd)
@@ -164,23 +203,44 @@ def load(path, dtype: Any = None,
   except (KeyError, json.JSONDecodeError, TypeError) as e:
     raise keys.ConvertError(f"{path}: config in metadata is missing or invalid "
                             f"({type(e).__name__}: {e})") from None
+  try:
+    blocks = json.loads(meta.get("blocks", "{}"))
+    if not isinstance(blocks, dict):
+      raise TypeError(f"a {type(blocks).__name__}, not an object")
+  except (json.JSONDecodeError, TypeError) as e:
+    raise keys.ConvertError(f"{path}: its block sizes in metadata are invalid ({e})") from None
   names = list(handle.keys())
   shapes = {n: tuple(handle.get_slice(n).get_shape()) for n in names}
   dtypes = {n: handle.get_slice(n).get_dtype() for n in names}
-  _check(cfg, shapes, dtypes, str(path))
+  _check(cfg, shapes, dtypes, blocks, str(path))
   cast = keys.resolve_dtype(dtype) if dtype is not None else None
   del handle
-  params: dict = {}
-  for name in keys.expected_shapes(cfg):
+
+  def read(name):
     try:
       # A handle per tensor: its memory map (and the file pages it made
       # resident) goes away with it, so peak RSS stays near the params'
       # own bytes instead of params + the whole mapped file.
       with safetensors.safe_open(str(path), framework="numpy") as one:
-        array = one.get_tensor(name)
+        return one.get_tensor(name)
     except Exception as e:
       raise keys.ConvertError(f"{path}: cannot read tensor {name!r}, the file is truncated or "
                               f"corrupted ({type(e).__name__}: {e})") from None
+
+  params: dict = {}
+  for name in keys.expected_shapes(cfg):
+    if name in blocks:
+      value = gguf_blocks.Blocks(read(name + ":q"), read(name + ":scale"),
+                                 read(name + ":offset") if name + ":offset" in shapes else None,
+                                 blocks[name])
+      if cast is not None:  # a float dtype asked for: widen, exactly
+        value = value.widen()  # [out, in], as HF holds it
+        value = value.T if name in keys.transposed(cfg) else value
+        params[name] = put(np.ascontiguousarray(value, dtype=cast))
+      else:
+        params[name] = value
+      continue
+    array = read(name)
     if cast is not None and array.dtype != cast:
       array = array.astype(cast)
     params[name] = put(array)

@@ -126,6 +126,21 @@ def _convert_leaves(params: dict, convert_leaf, consume: bool) -> dict:
   return out
 
 
+def _for_kernels(w: weights.Leaf) -> weights.Leaf:
+  """A float matrix stored for jspec's kernels, keeping the checkpoint's own numbers.
+
+  float32 goes into float32 panels; bfloat16 into bfloat16 panels and int8
+  blocks stay as they are (both widen exactly in the kernel).
+  """
+  if isinstance(w, (weights.Dense, weights.Table)):
+    dtype = (w.w if isinstance(w, weights.Dense) else w.t).dtype
+    if dtype == jnp.bfloat16:
+      return weights.to_bf16_panels(w)
+    if dtype == jnp.float32:
+      return weights.to_panels(w)
+  return w
+
+
 def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
             settings: Settings = Settings(), consume: bool = False) -> Model:
   """Stores a model's matrices the way its role and device run them fastest.
@@ -157,17 +172,16 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
                      + (cpu_kernels.unavailable_reason() or f"the params are on {where}"))
   int8 = role == "draft" and (settings.draft_int8 if settings.draft_int8 is not None
                               else where == "cpu")
-  dtype = weights.compute_dtype(model.head_of(model.merge(cfg, params)))
   if int8:
     packed = kernels and cpu_kernels.int8_available()
     convert_leaf = lambda w: weights.to_int8(w, panels=packed)
-    dtype = jnp.dtype(jnp.float32)
-  elif kernels and dtype == jnp.float32:
-    convert_leaf = weights.to_panels
+  elif kernels:
+    convert_leaf = _for_kernels
   else:
     convert_leaf = weights.to_float
   module = model.merge(cfg, _convert_leaves(params, convert_leaf, consume))
   head = model.head_of(module)
+  dtype = weights.compute_dtype(head)
   if role == "target" and kernels and settings.greedy_head and greedy_head.suits(head):
     module.greedy_head.set_value(greedy_head.make(head.p))
   prepared = model.params_of(module)

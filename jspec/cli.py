@@ -37,7 +37,7 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a closed pipe
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("exact", "float32", "bfloat16", "float16")
 
 
 class UsageError(Exception):
@@ -131,8 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft checkpoint (HF directory, GGUF, jspec file or known model name)")
   gen.add_argument("--tokenizer", metavar="PATH",
                    help="tokenizer source (HF directory or GGUF) for a target without one")
-  gen.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="params dtype (default: float32; keep it on CPU)")
+  gen.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="how weights are stored: exact (the checkpoint's own numbers: GGUF "
+                   "quantized matrices as int8 blocks, bfloat16 as it is) or one float type "
+                   "for all (default: exact for the target on CPU, float32 elsewhere)")
   gen.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token_ids, stats, settings), no streaming")
   gen.add_argument("--stats", action="store_true",

@@ -27,6 +27,7 @@ import sys
 import time
 from typing import Any, Optional, Union
 
+import jax
 import tokenizers
 
 import convert
@@ -370,7 +371,7 @@ def check_tokenizers(target: tokenizer_lib.Tokenizer, draft: tokenizer_lib.Token
 
 
 def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
-         dtype: str = "float32", progress: bool = True,
+         dtype: Optional[str] = None, progress: bool = True,
          tokenizer: Union[None, PathLike, tokenizer_lib.Tokenizer] = None,
          settings: Optional[bundle_lib.Settings] = None, **setting_kwargs) -> bundle_lib.Bundle:
   """Loads a target (and draft) with the target's tokenizer, prepared for this device.
@@ -381,7 +382,11 @@ def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
       path to an HF checkpoint directory, a GGUF file or a converted jspec file.
     draft: the draft, as a known model name or a path; None loads no draft
       (prompt lookup and target-only decoding still work).
-    dtype: "float32", "bfloat16" or "float16".
+    dtype: how weights are stored: "exact" (the checkpoint's own numbers:
+      GGUF quantized matrices as int8 blocks, bfloat16 as bfloat16, the rest
+      as float32; widened exactly in the kernels), or "float32", "bfloat16",
+      "float16" for everything. None: "exact" for the target on CPU (a
+      float32 draft then becomes the int8 draft), "float32" elsewhere.
     progress: show progress bars while assembling and converting.
     tokenizer: where the tokenizer comes from instead of the target (an HF
       directory with tokenizer.json, a GGUF file, or a `Tokenizer`). A
@@ -405,8 +410,15 @@ def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
     jspec.tokenizer.TokenizerError: an unusable tokenizer.
     ValueError: target and draft vocabularies differ, or bad settings.
   """
-  keys.resolve_dtype(dtype)  # fail before any slow step
+  if dtype is not None:
+    keys.resolve_dtype(dtype)  # fail before any slow step
   settings = dataclasses.replace(settings or bundle_lib.Settings(), **setting_kwargs)
+  # Exact compact storage is the CPU default for the target: a decode step reads
+  # its bytes (docs/decisions.md, "Compact target"). The draft's int8 copy is made
+  # from float32 (`bundle.prepare`).
+  on_cpu = jax.default_backend() == "cpu"
+  dtypes = {"target": dtype or (keys.EXACT if on_cpu else "float32"),
+            "draft": dtype or "float32"}
   if str(target) in fetch.PAIRS:
     if draft is not None:
       raise ValueError(f"{target!r} names a model pair, which brings its own draft; pass a "
@@ -434,11 +446,12 @@ def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
 
   # Convert everything first and load afterwards: a conversion holds a whole
   # model on the host, and it should not do so while another sits on device.
-  for source, path in ((t_source, t_path), (d_source, d_path)):
+  for source, path, role in ((t_source, t_path, "target"), (d_source, d_path, "draft")):
     if source is not None:
-      _convert_cached(path, source.sha256, dtype, progress)
+      _convert_cached(path, source.sha256, dtypes[role], progress)
 
   def prepared(source, path, role):
+    dtype = dtypes[role]
     cfg, tensors = (_load_cached(path, source.sha256, dtype, progress) if source
                     else _model(path, dtype, progress))
     params = model.params_from_tensors(cfg, tensors)

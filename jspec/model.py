@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from convert import config as config_lib
+from convert import gguf_blocks
 from jspec import cache as cache_lib
 from jspec import cpu_attention
 from jspec import greedy_head
@@ -416,7 +417,8 @@ def params_from_tensors(cfg: config_lib.Qwen2Config, tensors: dict[str, Any]) ->
   Args:
     cfg: the config.
     tensors: jspec path -> array, matrices [I, O] and token tables [V, D]
-      (`convert.load_checkpoint`).
+      (`convert.load_checkpoint`), or a `convert.gguf_blocks.Blocks` ([out,
+      in]) for a matrix kept as the checkpoint's int8 blocks.
 
   Returns:
     The params tree, matrices as the float leaves `init_params` makes.
@@ -436,7 +438,13 @@ def params_from_tensors(cfg: config_lib.Qwen2Config, tensors: dict[str, Any]) ->
   for name, (_, leaf) in zip(names, leaves):
     array = tensors[name]
     want = leaf.shape if weights.is_leaf(leaf) else tuple(leaf.shape)
-    if isinstance(leaf, weights.Dense):
+    if isinstance(array, gguf_blocks.Blocks):  # a checkpoint's own int8 blocks, [out, in]
+      if not weights.is_leaf(leaf):
+        raise ValueError(f"tensor {name!r} is int8 blocks: the model expects a plain array")
+      value = weights.blocks(array.q, array.scale, array.offset)
+      if isinstance(leaf, weights.Table) and isinstance(value, weights.Dense):
+        value = weights.Table(value.w.T)  # a table the block kernel cannot hold: read by rows
+    elif isinstance(leaf, weights.Dense):
       value = weights.Dense(array)
     elif isinstance(leaf, weights.Table):
       value = weights.Table(array)

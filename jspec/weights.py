@@ -17,6 +17,9 @@ is read. Stored forms:
   Panels      [O/32, I, 32] float: jspec's CPU kernel (`jspec.cpu_kernels`)
   Int8        [O, I] int8 and a scale per output: the int8 draft, XLA's dot
   Int8Panels  the same as the int8 kernel's panels, with row sums
+  Blocks      a checkpoint's own int8 blocks (GGUF k-quants, exactly) as panels,
+              with a float32 scale (and offset) per block of inputs
+  BF16Panels  bfloat16 kernel panels (a bfloat16 checkpoint, exactly)
 
 Axis letters in shape comments: I inputs, O outputs, V vocabulary, D width.
 """
@@ -95,9 +98,42 @@ class Int8Panels:
     return (self.inputs, self.sums.shape[0])
 
 
-Leaf = Union[Dense, Table, Panels, Int8, Int8Panels]
-LEAVES = (Dense, Table, Panels, Int8, Int8Panels)
-KERNEL_LEAVES = (Panels, Int8Panels)  # leaves the kernels read in place inside the layer loop
+@flax.struct.dataclass
+class Blocks:
+  """A matrix as the checkpoint stores it: int8 values, a float32 scale (and offset) per block.
+
+  W[k, n] = scale[n, k // B] * q[n, k] + offset[n, k // B], each product and
+  sum rounded in float32 as the checkpoint's own dequantizer does, so it
+  holds a GGUF k-quant's numbers exactly (`convert.gguf_blocks`), in about
+  a quarter of float32's bytes; laid out as the block kernel's panels.
+  """
+
+  q: Any  # [O/32, I, 32] int8 (or a `cpu_kernels.LayerPick`)
+  scale: Any  # [O/32, I/B, 32] float32
+  offset: Any = None  # [O/32, I/B, 32] float32, or None for symmetric types
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    n, i, width = self.q.shape
+    return (i, n * width)
+
+
+@flax.struct.dataclass
+class BF16Panels:
+  """A bfloat16 matrix as kernel panels, widened to float32 exactly when multiplied."""
+
+  p: Any  # [O/32, I, 32] bfloat16 (or a `cpu_kernels.LayerPick`)
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    n, i, width = self.p.shape
+    return (i, n * width)
+
+
+Leaf = Union[Dense, Table, Panels, Int8, Int8Panels, Blocks, BF16Panels]
+LEAVES = (Dense, Table, Panels, Int8, Int8Panels, Blocks, BF16Panels)
+# Leaves the kernels read in place inside the layer loop.
+KERNEL_LEAVES = (Panels, Int8Panels, Blocks, BF16Panels)
 
 
 def is_leaf(x: Any) -> bool:
@@ -126,6 +162,10 @@ def dot(x: jax.Array, w: Leaf, out_dtype=None) -> jax.Array:
     return cpu_kernels.matmul(x, w.p)
   if isinstance(w, (Int8, Int8Panels)):
     return _dot_int8(x, w)
+  if isinstance(w, Blocks):
+    return cpu_kernels.matmul_blocks(x.astype(jnp.float32), w.q, w.scale, w.offset)
+  if isinstance(w, BF16Panels):
+    return cpu_kernels.matmul_bf16(x.astype(jnp.float32), w.p)
   raise TypeError(f"not a weight leaf: {type(w).__name__}")
 
 
@@ -149,6 +189,16 @@ def lookup(w: Leaf, ids: jax.Array) -> jax.Array:
     picked = w.panels[ids // PANEL, :, ids % PANEL, :]  # [..., I/4, 4]
     q = picked.reshape(*ids.shape, -1)[..., :w.inputs]
     return q.astype(jnp.float32) * w.scale[ids][..., None]
+  if isinstance(w, Blocks):
+    p, c = ids // PANEL, ids % PANEL
+    q = w.q[p, :, c].astype(jnp.float32)  # [..., I]
+    scale = w.scale[p, :, c]  # [..., I/B]
+    blocked = q.reshape(*q.shape[:-1], scale.shape[-1], -1) * scale[..., None]  # [..., I/B, B]
+    if w.offset is not None:  # rounded after the product, as the checkpoint's dequantizer
+      blocked = blocked + w.offset[p, :, c][..., None]
+    return blocked.reshape(q.shape)
+  if isinstance(w, BF16Panels):
+    return w.p[ids // PANEL, :, ids % PANEL].astype(jnp.float32)
   raise TypeError(f"a {type(w).__name__} weight cannot be read by rows")
 
 
@@ -209,6 +259,35 @@ def to_panels(w: Leaf) -> Leaf:
   raise TypeError(f"cannot store a {type(w).__name__} weight in float panels")
 
 
+def blocks(q, scale, offset=None) -> Leaf:
+  """A checkpoint's int8 blocks ([out, in], `convert.gguf_blocks.Blocks`' arrays) as a leaf.
+
+  Args:
+    q: [O, I] int8.
+    scale: [O, I/B] float32.
+    offset: [O, I/B] float32, or None.
+
+  Returns:
+    A `Blocks` leaf, or (outputs not a multiple of 32) the `Dense` matrix
+    the blocks define, widened exactly.
+  """
+  if q.shape[0] % PANEL:
+    b = q.shape[1] // scale.shape[1]
+    w = q.astype(np.float32).reshape(q.shape[0], -1, b) * scale[:, :, None]
+    if offset is not None:
+      w = w + offset[:, :, None]
+    return dense(w.reshape(q.shape).T)
+  return Blocks(*jax.block_until_ready(cpu_kernels.pack_blocks(q, scale, offset)))
+
+
+def to_bf16_panels(w: Leaf) -> Leaf:
+  """A bfloat16 `Dense` / `Table` stored as kernel panels, or unchanged when it cannot be."""
+  if not isinstance(w, (Dense, Table)) or not packable(w):
+    return w
+  packed = to_panels(w)
+  return BF16Panels(packed.p) if isinstance(packed, Panels) else w
+
+
 def to_int8(w: Leaf, panels: bool = False) -> Leaf:
   """W quantized per output (symmetric int8), optionally stored for the int8 kernel.
 
@@ -226,8 +305,8 @@ def to_int8(w: Leaf, panels: bool = False) -> Leaf:
     q, scale = _quantize_rows(w.w.T)
   elif isinstance(w, Table):
     q, scale = _quantize_rows(w.t)
-  elif isinstance(w, Panels):
-    q, scale = _quantize_rows(cpu_kernels.unpack(w.p).T)
+  elif isinstance(w, (Panels, Blocks, BF16Panels)):
+    q, scale = _quantize_rows(matrix(w).T)
   else:
     raise TypeError(f"cannot quantize a {type(w).__name__} weight")
   q, scale = jax.block_until_ready((q, scale))
@@ -247,9 +326,9 @@ def _quantize_rows(m: jax.Array):  # [O, I] -> ([O, I] int8, [O] float32)
 
 
 def to_float(w: Leaf) -> Union[Dense, Table]:
-  """A float leaf's values back in plain form (`Panels` -> `Dense`); others unchanged."""
-  if isinstance(w, Panels):
-    return Dense(jax.block_until_ready(cpu_kernels.unpack(w.p)))
+  """A leaf's values in plain float form for XLA's dot: panels and blocks widened exactly."""
+  if isinstance(w, (Panels, Blocks, BF16Panels)):
+    return Dense(jax.block_until_ready(matrix(w)))
   return w
 
 
@@ -269,6 +348,10 @@ def matrix(w: Leaf) -> jax.Array:
   if isinstance(w, Int8Panels):
     q = cpu_kernels.unpack_int8(w.panels, w.inputs)
     return (q.astype(jnp.float32) * w.scale[:, None]).T
+  if isinstance(w, Blocks):
+    return cpu_kernels.unpack(cpu_kernels.widen_blocks(w.q, w.scale, w.offset))
+  if isinstance(w, BF16Panels):
+    return cpu_kernels.unpack(w.p)
   raise TypeError(f"not a weight leaf: {type(w).__name__}")
 
 
@@ -295,6 +378,11 @@ def pick(layers: list, index: jax.Array) -> Any:
       return Int8Panels(cpu_kernels.LayerPick(tuple(w.panels for w in leaves), index),
                         jnp.stack([w.sums for w in leaves])[index],
                         jnp.stack([w.scale for w in leaves])[index], inputs=first.inputs)
+    if isinstance(first, Blocks):
+      each = lambda field: cpu_kernels.LayerPick(tuple(getattr(w, field) for w in leaves), index)
+      return Blocks(each("q"), each("scale"), None if first.offset is None else each("offset"))
+    if isinstance(first, BF16Panels):
+      return BF16Panels(cpu_kernels.LayerPick(tuple(w.p for w in leaves), index))
     if first is None:
       return None
     return jnp.stack(leaves)[index]
@@ -310,7 +398,7 @@ def compute_dtype(w: Leaf) -> jnp.dtype:
     return jnp.dtype(w.t.dtype)
   if isinstance(w, Panels):
     return jnp.dtype(w.p.dtype)
-  return jnp.dtype(jnp.float32)
+  return jnp.dtype(jnp.float32)  # int8 forms, blocks and bfloat16 panels widen to float32
 
 
 def nbytes(tree: Any) -> int:

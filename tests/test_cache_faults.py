@@ -103,7 +103,7 @@ def known(tmp_path_factory, make_hf_model, write_gguf):
 
 
 def _weight_file(cache, kind):
-  converted = loading.converted_path(cache / "fake-target.gguf", "float32")
+  converted = loading.converted_path(cache / "fake-target.gguf", "exact")
   return {"weights": converted, "stamp": converted.with_name(converted.name + ".stamp"),
           "tokenizer": cache / "fake-target.tokenizer.json"}[kind]
 

@@ -177,7 +177,7 @@ def test_defaults_and_paths_reach_load(recorder, capsys, pair):
   assert cli.main(["generate", "hi", *_paths(pair), "--tokenizer", str(pair[0])]) == 0
   target, draft, kwargs = recorder.loads[-1]
   assert (target, draft) == (str(pair[0]), str(pair[1]))
-  assert kwargs["tokenizer"] == str(pair[0]) and kwargs["dtype"] == "float32"
+  assert kwargs["tokenizer"] == str(pair[0]) and kwargs["dtype"] is None
   assert cli.main(["generate", "hi", "--method", "target", "--target", str(pair[0])]) == 0
   assert recorder.loads[-1][1] is None and recorder.calls[-1][2].method == "target"
   assert capsys.readouterr().out == "abc" * 4

@@ -255,7 +255,10 @@ def _no_gguf_tokenizer(monkeypatch):
 
 
 def _converted(cache, name):
-  return loading.converted_path(cache / f"{name}.gguf", "float32")
+  # On CPU the target is stored exactly (int8 blocks where the GGUF is quantized),
+  # the draft as float32 (its int8 copy is made at load).
+  dtype = "exact" if name.endswith("target") else "float32"
+  return loading.converted_path(cache / f"{name}.gguf", dtype)
 
 
 def _ids(bundle):
