@@ -126,6 +126,17 @@ def _convert_leaves(params: dict, convert_leaf, consume: bool) -> dict:
   return out
 
 
+def _uniform_layers(layers: dict) -> dict:
+  """The layers with each matrix in one stored form across all of them (`weights.uniform`)."""
+  names = list(layers)
+  flat, trees = zip(*(jax.tree.flatten(layers[n], is_leaf=weights.is_leaf) for n in names))
+  if len(set(trees)) != 1:
+    raise ValueError("the layers' params differ in structure")
+  columns = [weights.uniform(column) if weights.is_leaf(column[0]) else list(column)
+             for column in zip(*flat)]
+  return {n: jax.tree.unflatten(trees[0], [c[i] for c in columns]) for i, n in enumerate(names)}
+
+
 def _for_kernels(w: weights.Leaf) -> weights.Leaf:
   """A float matrix stored for jspec's kernels, keeping the checkpoint's own numbers.
 
@@ -179,7 +190,10 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
     convert_leaf = _for_kernels
   else:
     convert_leaf = weights.to_float
-  module = model.merge(cfg, _convert_leaves(params, convert_leaf, consume))
+  converted = _convert_leaves(params, convert_leaf, consume)
+  if kernels:  # the layer loop reads each matrix of every layer with one kernel call
+    converted["layers"] = _uniform_layers(converted["layers"])
+  module = model.merge(cfg, converted)
   head = model.head_of(module)
   dtype = weights.compute_dtype(head)
   if role == "target" and kernels and settings.greedy_head and greedy_head.suits(head):

@@ -178,6 +178,10 @@ class LayerPick:
   def __init__(self, weights: tuple[jax.Array, ...], index: jax.Array):
     self.weights = tuple(weights)
     self.index = index
+    kinds = {(tuple(w.shape), jnp.dtype(w.dtype)) for w in self.weights}
+    if len(kinds) != 1:  # the kernel would read every layer with the first one's shape
+      raise ValueError(f"LayerPick: the layers' buffers differ in shape or dtype {sorted(kinds)}; "
+                       "make them one stored form first (jspec.weights.uniform)")
 
   @property
   def shape(self) -> tuple[int, ...]:

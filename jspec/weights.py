@@ -26,7 +26,7 @@ Axis letters in shape comments: I inputs, O outputs, V vocabulary, D width.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Sequence, Union
 
 import flax.struct
 import jax
@@ -353,6 +353,43 @@ def matrix(w: Leaf) -> jax.Array:
   if isinstance(w, BF16Panels):
     return cpu_kernels.unpack(w.p)
   raise TypeError(f"not a weight leaf: {type(w).__name__}")
+
+
+def uniform(leaves: Sequence[Leaf]) -> list[Leaf]:
+  """One stored form for one matrix of every layer, keeping each layer's numbers exactly.
+
+  The layer loop reads all layers' buffers with one kernel call, so they must
+  agree in shape. A GGUF may store a matrix in different k-quants from layer
+  to layer (Q4_K_M keeps some layers' `ffn_down` and `attn_v` in Q6_K): such
+  blocks are split to the smallest block size, each part keeping its block's
+  scale, and symmetric blocks get zero offsets, which changes no value. Any
+  other mix is widened to float32 panels.
+
+  Args:
+    leaves: the same matrix of each layer.
+
+  Returns:
+    The leaves, in order, all of one type and shape.
+  """
+  leaves = list(leaves)
+  form = lambda w: (type(w), tuple((a.shape, jnp.dtype(a.dtype)) for a in jax.tree.leaves(w)))
+  if len({form(w) for w in leaves}) == 1:
+    return leaves
+  if all(isinstance(w, Blocks) for w in leaves) and len({w.shape for w in leaves}) == 1:
+    size = min(w.q.shape[1] // w.scale.shape[1] for w in leaves)
+    affine = any(w.offset is not None for w in leaves)
+
+    def split(w: Blocks) -> Blocks:
+      times = (w.q.shape[1] // w.scale.shape[1]) // size
+      scale = jnp.repeat(w.scale, times, axis=1)  # [O/32, I/size, 32]
+      if w.offset is not None:
+        offset = jnp.repeat(w.offset, times, axis=1)
+      else:
+        offset = jnp.zeros_like(scale) if affine else None
+      return Blocks(w.q, *jax.block_until_ready((scale, offset)))
+
+    return [split(w) for w in leaves]
+  return [to_panels(to_float(w)) for w in leaves]
 
 
 def pick(layers: list, index: jax.Array) -> Any:

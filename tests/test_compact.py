@@ -31,7 +31,9 @@ from jspec import model
 from jspec import weights
 
 # Every matrix type gguf can write that int8 blocks hold, F16 and BF16 beside them.
-QUANT = {"token_embd.weight": Q.Q5_1, "attn_q.weight": Q.Q8_0, "attn_k.weight": Q.Q5_0,
+# Layer 1's ffn_down is affine where layer 0's is symmetric, as Q4_K_M mixes Q4_K
+# and Q6_K in one role (the first matching suffix wins).
+QUANT = {"blk.1.ffn_down.weight": Q.Q5_1, "token_embd.weight": Q.Q5_1, "attn_q.weight": Q.Q8_0, "attn_k.weight": Q.Q5_0,
          "attn_v.weight": Q.Q4_1, "attn_output.weight": Q.BF16, "ffn_gate.weight": Q.Q4_0,
          "ffn_up.weight": Q.Q5_1, "ffn_down.weight": Q.Q5_0, "output.weight": Q.F16}
 # Rows of 64 and 96 values (whole blocks of 32); outputs multiples of 32 but k and v (16).
@@ -164,3 +166,55 @@ def test_sampling_with_a_compact_target_is_the_compact_targets_distribution():
   greedy = jspec.generate(bundle, prompts[1], max_new_tokens=20, gamma=4, policy="fixed")
   assert greedy.token_ids == jspec.generate(bundle, prompts[1], max_new_tokens=20,
                                             method="target").token_ids
+
+
+def _random_blocks(out, inputs, size, affine, seed):
+  rng = np.random.default_rng(seed)
+  q = rng.integers(-128, 128, (out, inputs), dtype=np.int8)
+  scale = rng.standard_normal((out, inputs // size)).astype(np.float32)
+  offset = rng.standard_normal(scale.shape).astype(np.float32) if affine else None
+  return weights.blocks(q, scale, offset)
+
+
+@needs_kernels
+def test_mixed_k_quants_across_layers_become_one_form_with_the_same_numbers():
+  # Q4_K (affine, blocks of 32) in one layer and Q6_K (symmetric, 16) in the next.
+  mixed = [_random_blocks(64, 128, 32, True, 0), _random_blocks(64, 128, 16, False, 1),
+           _random_blocks(64, 128, 32, False, 2)]
+  with pytest.raises(ValueError, match="differ in shape"):
+    cpu_kernels.LayerPick(tuple(w.scale for w in mixed), jnp.int32(0))
+  same = weights.uniform(mixed)
+  assert len({jax.tree.map(lambda a: a.shape, w) == jax.tree.map(lambda a: a.shape, same[0])
+              for w in same}) == 1
+  assert all(w.scale.shape == (2, 8, 32) and w.offset is not None for w in same)
+  for before, after in zip(mixed, same):
+    np.testing.assert_array_equal(weights.matrix(after), weights.matrix(before))
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((3, 128)), jnp.float32)
+  picked = jax.jit(lambda x, i: weights.dot(x, weights.pick([{"w": w} for w in same], i)["w"]))
+  for i, before in enumerate(mixed):
+    chex.assert_trees_all_close(picked(x, jnp.int32(i)), x @ weights.matrix(before),
+                                rtol=1e-5, atol=1e-4)
+  assert weights.uniform(same) == same  # already one form: unchanged
+
+
+@needs_kernels
+def test_a_compact_target_in_one_layer_loop_with_mixed_k_quants(make_hf_model, write_gguf,
+                                                                 tmp_path):
+  # Every layer matrix a kernel leaf (k and v 32 outputs): the layers run as one
+  # loop whose kernel reads all layers' buffers with one shape.
+  sizes = dict(SIZES, head_dim=16, num_attention_heads=4)
+  path = write_gguf(tmp_path / "mixed.gguf", make_hf_model(seed=22, **sizes), quant=QUANT)
+  cfg, exact = convert.load_checkpoint(path, dtype="exact")
+  _, floats = convert.load_checkpoint(path, dtype="float32")
+  assert exact["layers/0/mlp/down/w"].offset is None is not exact["layers/1/mlp/down/w"].offset
+  compact = bundle_lib.prepare(cfg, model.params_from_tensors(cfg, exact))
+  plain = bundle_lib.prepare(cfg, model.params_from_tensors(cfg, floats))
+  assert model._scannable(model.merge(cfg, compact.params), compact.backend)  # pylint: disable=protected-access
+  downs = [compact.params["layers"][i]["mlp"]["down"]["w"] for i in ("0", "1")]
+  assert all(w.offset is not None for w in downs)  # one form for the layer loop
+  tokens = jnp.asarray(np.random.RandomState(1).randint(0, cfg.vocab_size, (2, 29)), jnp.int32)
+  run = lambda m: model.forward(m.arch, m.params, tokens, cache_lib.init(cfg, 2, 32))
+  chex.assert_trees_all_close(run(compact), run(plain), atol=2e-4, rtol=1e-4)
+  base = jspec.generate(jspec.Bundle(plain), [1, 2, 3], max_new_tokens=16, method="target")
+  got = jspec.generate(jspec.Bundle(compact), [1, 2, 3], max_new_tokens=16, method="target")
+  assert got.token_ids == base.token_ids
