@@ -6,8 +6,9 @@
 
 from jspec.api import Result, generate, stream
 from jspec.bundle import Bundle, Model, Settings, check_pair
+from jspec.distill import distill  # issue 35 (the module: importlib.import_module("jspec.distill"))
 from jspec.options import Options
 from jspec.loading import load
 
-__all__ = ["Bundle", "Model", "Options", "Result", "Settings", "check_pair", "generate",
-           "load", "stream"]
+__all__ = ["Bundle", "Model", "Options", "Result", "Settings", "check_pair", "distill",
+           "generate", "load", "stream"]

@@ -1,0 +1,263 @@
+"""The original draft against a distilled one, in one run, on held-out prompts only.
+
+    python -m bench.tools.distill_eval --draft distilled.jspec.safetensors \\
+        --suites suite,humaneval --reps 1 --max-new-tokens 128 \\
+        --out bench/results/distill_cpu.json
+
+Loads the known pair once (the target, the original draft stored as the
+default stores it: int8 on CPU), and the distilled draft stored the same
+way beside the same target. For every prompt of the stored suite (code,
+edit, chat) and of HumanEval it runs jspec target-only, the default mode
+(confidence policy, up to 8 drafts, p >= 0.5, greedy) with the original
+draft, and the same mode with the distilled draft, repetitions interleaved
+(`bench.engine.run_modes`), and records acceptance, tokens per round, tokens
+per second and the speedup over target-only. Refuses, before loading
+anything, to evaluate a draft on a prompt it was trained on (the hashes in
+its file, `jspec.distill_data.check_held_out`). Writes the JSON after each
+prompt (`--resume` continues a run that died), the summary per kind (medians
+over prompts, the issue's targets beside them), the training cost from the
+draft's record, and a plot of acceptance before and after, per prompt.
+Exit status: 0; 1 if a mode's greedy ids differ from target-only's; 2 for
+bad arguments or a draft trained on the prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+# The issue's targets (CPU, real pair, greedy, suite median, held-out prompts).
+TARGETS = {"tokens_per_round_gain": {"chat": 0.15, "code": 0.10},
+           "speedup": {"chat": 2.3, "code": 3.1}}
+MODE_KWARGS = {"method": "model", "gamma": 8, "gamma_max": 8, "policy": "confidence",
+               "min_confidence": 0.5}  # the default mode, as `python -m bench` runs it
+
+
+def _write(doc: dict[str, Any], out: pathlib.Path) -> None:
+  out.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+  with os.fdopen(fd, "w") as f:
+    json.dump(doc, f, indent=1)
+  os.replace(tmp, out)
+
+
+def _median(values: list[float]) -> Optional[float]:
+  values = [v for v in values if v is not None]
+  return float(statistics.median(values)) if values else None
+
+
+def summarize(doc: dict[str, Any]) -> dict[str, Any]:
+  """Medians per kind of prompt (code = the suite's code prompts, humaneval, chat, edit, all code).
+
+  Args:
+    doc: the results document.
+
+  Returns:
+    {kind: {mode: {acceptance_rate, mean_tokens_per_round, speedup_vs_target}},
+    tokens_per_round_gain (distilled over original, minus 1), meets_targets}.
+  """
+  groups: dict[str, list[dict]] = {}
+  for entry in doc["prompts"].values():
+    groups.setdefault(entry["group"], []).append(entry)
+    if entry["group"] in ("code", "humaneval"):
+      groups.setdefault("all_code", []).append(entry)
+  out: dict[str, Any] = {}
+  for kind, entries in sorted(groups.items()):
+    row: dict[str, Any] = {"prompts": len(entries)}
+    for mode in ("confidence", "confidence_distilled"):
+      recs = [e["modes"].get(mode) for e in entries if e["modes"].get(mode)]
+      row[mode] = {k: _median([r.get(k) for r in recs])
+                   for k in ("acceptance_rate", "mean_tokens_per_round", "speedup_vs_target")}
+    a = row["confidence"]["mean_tokens_per_round"]
+    b = row["confidence_distilled"]["mean_tokens_per_round"]
+    row["tokens_per_round_gain"] = (b / a - 1) if a and b else None
+    key = "chat" if kind == "chat" else "code" if kind in ("code", "humaneval", "all_code") else None
+    if key:
+      gain_goal = TARGETS["tokens_per_round_gain"][key]
+      speed_goal = TARGETS["speedup"][key]
+      speed = row["confidence_distilled"]["speedup_vs_target"]
+      row["targets"] = {"tokens_per_round_gain": gain_goal, "speedup": speed_goal,
+                        "met": bool(row["tokens_per_round_gain"] is not None and speed is not None
+                                    and row["tokens_per_round_gain"] >= gain_goal
+                                    and speed >= speed_goal)}
+    out[kind] = row
+  return out
+
+
+def plot(doc: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
+  """Acceptance per prompt, original against distilled draft (a point per prompt, y = x drawn).
+
+  Args:
+    doc: the results document.
+    path: the PNG.
+
+  Returns:
+    path.
+  """
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
+  colors = {"code": "tab:blue", "humaneval": "tab:cyan", "chat": "tab:red", "edit": "tab:green"}
+  for ax, key, label in ((axes[0], "acceptance_rate", "acceptance"),
+                         (axes[1], "mean_tokens_per_round", "tokens per round")):
+    seen = set()
+    lo, hi = float("inf"), 0.0
+    for name, e in doc["prompts"].items():
+      a = e["modes"].get("confidence", {}).get(key)
+      b = e["modes"].get("confidence_distilled", {}).get(key)
+      if a is None or b is None:
+        continue
+      lo, hi = min(lo, a, b), max(hi, a, b)
+      g = e["group"]
+      ax.scatter(a, b, color=colors.get(g, "gray"), alpha=0.7,
+                 label=g if g not in seen else None)
+      seen.add(g)
+      if g in ("chat", "edit") or len(doc["prompts"]) <= 20:
+        ax.annotate(name, (a, b), fontsize=7, alpha=0.7)
+    if hi > 0:
+      ax.plot([lo, hi], [lo, hi], color="black", linewidth=1)
+    ax.set_xlabel(f"{label}, original draft")
+    ax.set_ylabel(f"{label}, distilled draft")
+    ax.legend()
+    ax.grid(alpha=0.3)
+  fig.suptitle("Greedy, confidence policy (up to 8, p >= 0.5), int8 drafts: per prompt")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+  """Runs the comparison.
+
+  Args:
+    argv: arguments (None: sys.argv[1:]).
+
+  Returns:
+    The exit status.
+  """
+  p = argparse.ArgumentParser(prog="python -m bench.tools.distill_eval", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--draft", required=True, help="the distilled draft file")
+  p.add_argument("--model", default="qwen2.5-coder", help="the known pair (default qwen2.5-coder)")
+  p.add_argument("--suites", default="suite,humaneval", help="suite and/or humaneval")
+  p.add_argument("--prompts", help="the suite's prompts to keep (as python -m bench --prompts)")
+  p.add_argument("--humaneval-limit", type=int, help="the first N HumanEval tasks (default all)")
+  p.add_argument("--reps", type=int, default=1, help="timed repetitions (medians; default 1)")
+  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--out", default="bench/results/distill_cpu.json")
+  p.add_argument("--resume", action="store_true", help="keep the prompts already in --out")
+  opts = p.parse_args(argv)
+  from bench import prompts as prompts_lib  # pylint: disable=import-outside-toplevel
+  from jspec import distill_data  # pylint: disable=import-outside-toplevel
+
+  suites = [s.strip() for s in opts.suites.split(",") if s.strip()]
+  if not suites or any(s not in ("suite", "humaneval") for s in suites):
+    p.error(f"--suites {opts.suites!r}: expected suite and/or humaneval")
+  chosen = []
+  if "suite" in suites:
+    chosen += [(q, q.kind) for q in prompts_lib.select(prompts_lib.SUITE, opts.prompts)]
+  if "humaneval" in suites:
+    chosen += [(q, "humaneval") for q in prompts_lib.humaneval(opts.humaneval_limit)]
+  try:
+    distill_data.check_held_out(opts.draft, {q.name: q.text for q, _ in chosen})
+    record = distill_data.read_record(opts.draft)
+  except ValueError as e:
+    p.error(str(e))
+  if not pathlib.Path(opts.draft).is_file():
+    p.error(f"--draft {opts.draft}: no such file")
+
+  import jspec  # pylint: disable=import-outside-toplevel
+  from bench import engine  # pylint: disable=import-outside-toplevel
+  from bench import machine  # pylint: disable=import-outside-toplevel
+  from bench import memory  # pylint: disable=import-outside-toplevel
+  from bench import models  # pylint: disable=import-outside-toplevel
+  from bench import modes as modes_lib  # pylint: disable=import-outside-toplevel
+  from jspec import bundle as bundle_lib  # pylint: disable=import-outside-toplevel
+  from jspec import programs  # pylint: disable=import-outside-toplevel
+
+  out = pathlib.Path(opts.out)
+  doc: dict[str, Any] = {}
+  if opts.resume and out.is_file():
+    doc = json.loads(out.read_text())
+  doc.setdefault("prompts", {})
+  doc.update({"command": machine.command(sys.argv[1:] if argv is None else argv),
+              "git": machine.git(), "machine": machine.describe(), "draft": opts.draft,
+              "settings": {"reps": opts.reps, "max_new_tokens": opts.max_new_tokens,
+                           "mode": MODE_KWARGS, "stop_at_eos": False, "greedy": True},
+              "training": None if record is None else {
+                  k: record.get(k) for k in ("recipe", "steps", "stopped_early", "train_s",
+                                             "trained_tokens", "data", "evals")},
+              "targets": TARGETS})
+  if record is not None:
+    data = record.get("data", {})
+    doc["training"]["cost"] = {
+        "generated_tokens": data.get("generated_tokens"),
+        "label_forward_tokens": data.get("label_forward_tokens"),
+        "trained_tokens": record.get("trained_tokens"),
+        "data_minutes": (data.get("data_s") or 0) / 60,
+        "train_minutes": (record.get("train_s") or 0) / 60,
+        "total_minutes": ((data.get("data_s") or 0) + (record.get("train_s") or 0)) / 60}
+  t0 = time.perf_counter()
+  loaded = models.load(opts.model, None, None, "float32", False, False)
+  tuned = models.prepare_checkpoint(opts.draft, "draft", bundle_lib.Settings())
+  bundle = loaded.bundle
+  tuned_bundle = jspec.Bundle(bundle.target, tuned, bundle.tokenizer)
+  doc["load_s"] = time.perf_counter() - t0
+  t_bytes = loaded.info["target"]["forward_bytes"]
+  modes = [modes_lib.Mode("target", "jspec", "target", {"method": "target"}),
+           modes_lib.Mode("confidence", "jspec", "adaptive", dict(MODE_KWARGS)),
+           modes_lib.Mode("confidence_distilled", "jspec", "adaptive", dict(MODE_KWARGS))]
+  d_bytes = {"target": None, "confidence": memory.forward_bytes(bundle.draft.cfg,
+                                                                  bundle.draft.params),
+             "confidence_distilled": memory.forward_bytes(tuned.cfg, tuned.params)}
+  mismatches = []
+  for i, (q, group) in enumerate(chosen):
+    if q.name in doc["prompts"]:
+      continue
+    ids = prompts_lib.encode(q, bundle.tokenizer)
+    recs = engine.run_modes(bundle, ids, modes, opts.max_new_tokens, opts.reps, False, t_bytes,
+                            d_bytes, None, {"confidence_distilled": tuned_bundle})
+    programs.release()
+    base = recs["target"]["tokens_per_s"]
+    entry = {"group": group, "chat": q.chat, "prompt_tokens": len(ids), "modes": {}}
+    for name, rec in recs.items():
+      keep = {k: rec.get(k) for k in ("tokens_per_s", "decode_tokens_per_s", "acceptance_rate",
+                                      "mean_tokens_per_round", "rounds", "drafted", "accepted",
+                                      "accepted_histogram", "compile_s", "reps_identical")}
+      keep["speedup_vs_target"] = rec["tokens_per_s"] / base if base else None
+      keep["ids_equal_target"] = rec["token_ids"] == recs["target"]["token_ids"]
+      if not keep["ids_equal_target"]:
+        mismatches.append(f"{q.name}:{name}")
+      entry["modes"][name] = keep
+    doc["prompts"][q.name] = entry
+    doc["summary"] = summarize(doc)
+    doc["mismatches"] = mismatches
+    _write(doc, out)
+    c, d = entry["modes"]["confidence"], entry["modes"]["confidence_distilled"]
+    print(f"[{i + 1}/{len(chosen)}] {q.name} ({group}): acceptance {c['acceptance_rate']:.2f} -> "
+          f"{d['acceptance_rate']:.2f}, tokens/round {c['mean_tokens_per_round']:.2f} -> "
+          f"{d['mean_tokens_per_round']:.2f}, x target {c['speedup_vs_target']:.2f} -> "
+          f"{d['speedup_vs_target']:.2f}", file=sys.stderr, flush=True)
+  doc["summary"] = summarize(doc)
+  doc["plot"] = str(plot(doc, out.with_suffix(".acceptance.png")))
+  doc["wall_s"] = time.perf_counter() - t0
+  _write(doc, out)
+  print(json.dumps(doc["summary"], indent=1))
+  print(f"results: {out}  plot: {doc['plot']}")
+  if mismatches:
+    print(f"FAILED: greedy ids differ from target-only: {', '.join(mismatches)}", file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
