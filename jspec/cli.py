@@ -144,6 +144,37 @@ def build_parser() -> argparse.ArgumentParser:
   info = sub.add_parser("info", help="JAX devices, cache directory, installed models")
   info.add_argument("--json", action="store_true", help="print one JSON object")
   sub.add_parser("bench", add_help=False, help="run the benchmarks (arguments go to bench)")
+  # --- distill (issue 35): parses its own arguments, like convert and bench ---
+  sub.add_parser("distill", add_help=False, help="train the draft to agree with the target and "
+                 "write a new draft file (see jspec distill --help)")
+  # --- end distill ---
+  # --- serve (issue 37): the OpenAI-compatible server, jspec.serve ---
+  srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (jspec.serve)",
+                       description="Serve /v1/completions, /v1/chat/completions, /v1/models "
+                       "and /health; concurrent requests run as one batch. Ctrl-C stops it.")
+  which = srv.add_mutually_exclusive_group()
+  which.add_argument("--model", metavar="NAME", help=f"a known pair (default: "
+                     f"{loading.DEFAULT_PAIR}); also the id clients name")
+  which.add_argument("--target", metavar="PATH", help="target checkpoint (its directory or "
+                     "file name is the id clients name)")
+  srv.add_argument("--draft-model", metavar="PATH", help="draft checkpoint, with --target")
+  srv.add_argument("--tokenizer", metavar="PATH", help="tokenizer source for a target without one")
+  srv.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="how weights are stored: exact (the checkpoint's own numbers: GGUF "
+                   "quantized matrices as int8 blocks, bfloat16 as it is) or one float type "
+                   "for all (default: exact for the target on CPU, float32 elsewhere)")
+  srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+  srv.add_argument("--port", type=_number(int), default=8000, help="port (default: 8000; 0: any)")
+  srv.add_argument("--max-queue", type=_number(int), default=64, metavar="N",
+                   help="requests that may wait; more get 429 (default: 64)")
+  srv.add_argument("--max-batch", type=_number(int), default=16, metavar="N",
+                   help="requests run together at most (default: 16)")
+  srv.add_argument("--batch-window-ms", type=_number(float), default=5.0, metavar="MS",
+                   help="how long a batch waits for one more request to join (default: 5)")
+  srv.add_argument("--warmup", action="store_true",
+                   help="compile the programs of every batch size before serving")
+  srv.set_defaults(float_draft=False)
+  # --- end serve ---
   return parser
 
 
@@ -287,6 +318,21 @@ def _generate(args) -> int:
   return 0
 
 
+# --- serve (issue 37) ---
+def _serve(args) -> int:
+  """Runs `jspec serve`: the web stack is imported only here (the optional extra "serve")."""
+  try:
+    from jspec import serve  # pylint: disable=import-outside-toplevel
+  except ModuleNotFoundError as e:
+    raise UsageError(f"jspec serve needs the module {e.name!r}: pip install -e \".[serve]\"") \
+        from None
+  serve.check_args(args)  # before the models load
+  bundle, _, _ = _load(args, options_lib.Options())
+  return serve.main(bundle, serve.model_name(args.model or loading.DEFAULT_PAIR, args.target),
+                    args)
+# --- end serve ---
+
+
 def _cpu_kernels() -> dict[str, Any]:
   """Which of jspec's CPU kernels this host runs (on a CPU backend), and why not if not."""
   built = cpu_kernels.available()
@@ -348,15 +394,26 @@ def _bench(argv: Sequence[str]) -> int:
   return int(module.main(list(argv), prog="jspec bench") or 0)
 
 
+# --- distill (issue 35) ---
+def _distill(argv: Sequence[str]) -> int:
+  """Runs `jspec distill` through `jspec.distill` (its module by name: the package exports the function)."""
+  return importlib.import_module("jspec.distill").main(list(argv), prog="jspec distill")
+# --- end distill ---
+
+
 def _run(argv: list[str]) -> int:
-  # convert and bench own their argument parsing (and their --help).
+  # convert, bench and distill own their argument parsing (and their --help).
   if argv and argv[0] == "convert":
     return _convert(argv[1:])
+  if argv and argv[0] == "distill":  # distill (issue 35)
+    return _distill(argv[1:])
   if argv and argv[0] == "bench":
     return _bench(argv[1:])
   args = build_parser().parse_args(argv)
   if args.command == "generate":
     return _generate(args)
+  if args.command == "serve":  # serve (issue 37)
+    return _serve(args)
   return _info(args)
 
 
