@@ -109,14 +109,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                    "tokens_per_round": rs[0].get("tokens_per_round")}
     ids = {n: runs[n][0]["ids"] for n in names if n.startswith("jspec")}
     rec["ids_equal"] = len({tuple(v) for v in ids.values()}) == 1
+    rec["loadavg_1m"] = os.getloadavg()[0]  # other work on a shared host slows every engine
     same &= rec["ids_equal"]
     doc["prompts"][p.name] = rec
     print(p.name, {n: round(rec[n]["tok_s"], 2) for n in names if rec[n]["tok_s"]},
           "ids equal" if rec["ids_equal"] else "IDS DIFFER", file=sys.stderr, flush=True)
-  med = {n: _median([doc["prompts"][p.name][n]["tok_s"] for p in chosen]) for n in names}
-  doc["medians"] = med
-  doc["peak_rss_bytes"] = memory.peak_rss_bytes()
-  doc["all_ids_equal"] = same
+    med = {n: _median([r[n]["tok_s"] for r in doc["prompts"].values()]) for n in names}
+    doc.update(medians=med, peak_rss_bytes=memory.peak_rss_bytes(), all_ids_equal=same,
+               complete=len(doc["prompts"]) == len(chosen))
+    if args.out:  # after every prompt: a stopped run keeps the prompts it finished
+      _write(doc, args.out)
+  med = doc["medians"]
   print(f"\n| engine and mode | decode tok/s (median of {len(chosen)} prompts) | "
         "x float32 target-only |\n|---|---|---|")
   base = med["jspec_target_float32"]
@@ -126,12 +129,15 @@ def main(argv: Optional[list[str]] = None) -> int:
   print(f"\ntarget bytes per forward: exact {fwd['exact'] / 1e9:.2f} GB, "
         f"float32 {fwd['float32'] / 1e9:.2f} GB; greedy ids equal across storages and "
         f"methods: {same}")
-  if args.out:
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=args.out.parent, delete=False, suffix=".tmp") as f:
-      json.dump(doc, f, indent=1)
-    os.replace(f.name, args.out)
   return 0 if same else 1
+
+
+def _write(doc: dict[str, Any], out: pathlib.Path) -> None:
+  """Writes the results JSON atomically (a temporary file, then a rename)."""
+  out.parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.NamedTemporaryFile("w", dir=out.parent, delete=False, suffix=".tmp") as f:
+    json.dump(doc, f, indent=1)
+  os.replace(f.name, out)
 
 
 if __name__ == "__main__":
