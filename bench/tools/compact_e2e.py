@@ -137,6 +137,7 @@ def _write(doc: dict[str, Any], out: pathlib.Path) -> None:
   out.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.NamedTemporaryFile("w", dir=out.parent, delete=False, suffix=".tmp") as f:
     json.dump(doc, f, indent=1)
+  os.chmod(f.name, 0o644)  # as a plain open() would leave it, not mkstemp's 0600
   os.replace(f.name, out)
 
 
