@@ -31,6 +31,7 @@ from bench import plots
 from bench import prompts as prompts_lib
 from bench import report
 from bench import results
+from jspec import distill_data
 from jspec import options as options_lib
 from jspec import programs
 
@@ -382,11 +383,9 @@ def run(opts: argparse.Namespace, argv: Optional[list[str]] = None) -> int:
         options_lib.make(max_new_tokens=opts.max_new_tokens, stop_at_eos=opts.stop_at_eos,
                          **m.kwargs)
     prompt_list = _prompt_list(opts)
-    # --- distill (issue 35): never report a distilled draft on prompts it was trained on ---
+    # Never report a distilled draft on prompts it was trained on.
     if opts.draft:
-      from jspec import distill_data  # pylint: disable=import-outside-toplevel
       distill_data.check_held_out(opts.draft, {p.name: p.text for p in prompt_list})
-    # --- end distill ---
     settings = _settings(opts, chosen, prompt_list)
     out = pathlib.Path(opts.out)
     doc = results.resume(out, settings) if opts.resume else None

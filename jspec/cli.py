@@ -144,11 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
   info = sub.add_parser("info", help="JAX devices, cache directory, installed models")
   info.add_argument("--json", action="store_true", help="print one JSON object")
   sub.add_parser("bench", add_help=False, help="run the benchmarks (arguments go to bench)")
-  # --- distill (issue 35): parses its own arguments, like convert and bench ---
+  # distill parses its own arguments, like convert and bench.
   sub.add_parser("distill", add_help=False, help="train the draft to agree with the target and "
                  "write a new draft file (see jspec distill --help)")
-  # --- end distill ---
-  # --- serve (issue 37): the OpenAI-compatible server, jspec.serve ---
+  # serve: the OpenAI-compatible server (jspec.serve).
   srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (jspec.serve)",
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models "
                        "and /health; concurrent requests run as one batch. Ctrl-C stops it.")
@@ -174,7 +173,6 @@ def build_parser() -> argparse.ArgumentParser:
   srv.add_argument("--warmup", action="store_true",
                    help="compile the programs of every batch size before serving")
   srv.set_defaults(float_draft=False)
-  # --- end serve ---
   return parser
 
 
@@ -318,7 +316,6 @@ def _generate(args) -> int:
   return 0
 
 
-# --- serve (issue 37) ---
 def _serve(args) -> int:
   """Runs `jspec serve`: the web stack is imported only here (the optional extra "serve")."""
   try:
@@ -330,7 +327,6 @@ def _serve(args) -> int:
   bundle, _, _ = _load(args, options_lib.Options())
   return serve.main(bundle, serve.model_name(args.model or loading.DEFAULT_PAIR, args.target),
                     args)
-# --- end serve ---
 
 
 def _cpu_kernels() -> dict[str, Any]:
@@ -394,11 +390,9 @@ def _bench(argv: Sequence[str]) -> int:
   return int(module.main(list(argv), prog="jspec bench") or 0)
 
 
-# --- distill (issue 35) ---
 def _distill(argv: Sequence[str]) -> int:
   """Runs `jspec distill` through `jspec.distill` (its module by name: the package exports the function)."""
   return importlib.import_module("jspec.distill").main(list(argv), prog="jspec distill")
-# --- end distill ---
 
 
 def _run(argv: list[str]) -> int:
