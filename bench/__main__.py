@@ -83,7 +83,10 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
   models.add_argument("--model", default="qwen2.5-coder", help="known pair (default qwen2.5-coder)")
   models.add_argument("--target", help="target checkpoint path (GGUF, HF dir or jspec file)")
   models.add_argument("--draft", help="draft checkpoint path")
-  models.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+  models.add_argument("--dtype", default=None, choices=("exact", "float32", "bfloat16", "float16"),
+                      help="how jspec stores the weights, as `jspec.load` (default: its own: "
+                      "the target exact on CPU, float32 elsewhere; random weights and the HF "
+                      "peers: float32)")
   models.add_argument("--device", default="auto", choices=("auto", "cpu", "gpu"),
                       help="JAX platform (and the HF peers' device)")
   models.add_argument("--random-weights", action="store_true",

@@ -158,7 +158,7 @@ def checkpoint_files(model: str, dtype: str = "float32") -> tuple[str, str]:
   return out[0], out[1]
 
 
-def load(model: str, target: Optional[str], draft: Optional[str], dtype: str,
+def load(model: str, target: Optional[str], draft: Optional[str], dtype: Optional[str],
          random_weights: bool, smoke: bool, float_draft: bool = False) -> Loaded:
   """Loads (or builds) the pair a run measures.
 
@@ -166,7 +166,8 @@ def load(model: str, target: Optional[str], draft: Optional[str], dtype: str,
     model: a known pair name (used without target/draft).
     target: the target's path, or None.
     draft: the draft's path, or None.
-    dtype: "float32", "bfloat16" or "float16".
+    dtype: as `jspec.load` takes it (None: its default); random weights
+      take a float dtype (None and "exact": float32).
     random_weights: random weights of the real shapes.
     smoke: tiny random models.
     float_draft: also prepare the draft with its float weights
@@ -177,18 +178,19 @@ def load(model: str, target: Optional[str], draft: Optional[str], dtype: str,
   """
   t0 = time.perf_counter()
   settings = bundle_lib.Settings()
+  float_dtype = dtype if dtype not in (None, "exact") else "float32"  # random weights, float draft
   f_draft = None
   if smoke or random_weights:
     if smoke:
       t_cfg = d_cfg = shapes.SMOKE_TARGET
-      t_params = _numpy_params(t_cfg, dtype, seed=0, scale=0.5)
-      noise = _numpy_params(t_cfg, dtype, seed=1, scale=0.01, norm=0.0)
+      t_params = _numpy_params(t_cfg, float_dtype, seed=0, scale=0.5)
+      noise = _numpy_params(t_cfg, float_dtype, seed=1, scale=0.01, norm=0.0)
       d_params = jax.tree.map(lambda a, b: a + b, t_params, noise)  # a draft close to the target
       info = {"source": "smoke: tiny random models"}
     else:
       t_cfg, d_cfg, origin = shapes.real_pair(model, target, draft)
-      t_params = model_lib.init_params(t_cfg, jax.random.key(0), jnp.dtype(dtype))
-      d_params = model_lib.init_params(d_cfg, jax.random.key(1), jnp.dtype(dtype))
+      t_params = model_lib.init_params(t_cfg, jax.random.key(0), jnp.dtype(float_dtype))
+      d_params = model_lib.init_params(d_cfg, jax.random.key(1), jnp.dtype(float_dtype))
       info = {"source": f"random weights of the real shapes (shapes from {origin})"}
     # Prepared as `jspec.load` prepares a checkpoint: each source matrix goes
     # once its stored form exists.
@@ -203,7 +205,7 @@ def load(model: str, target: Optional[str], draft: Optional[str], dtype: str,
       raise ValueError("--target needs --draft (speculative modes need a draft model)")
     bundle = jspec.load(target, draft, dtype=dtype, progress=False, settings=settings)
     if float_draft:
-      f_draft = prepare_checkpoint(draft, "draft", FLOAT_DRAFT, dtype)
+      f_draft = prepare_checkpoint(draft, "draft", FLOAT_DRAFT, float_dtype)
     hf_source, reason = _hf_source_for(target, draft)
     info = {"source": f"paths: target {target}, draft {draft}"}
   else:
@@ -211,7 +213,8 @@ def load(model: str, target: Optional[str], draft: Optional[str], dtype: str,
     bundle = jspec.load(model, dtype=dtype, progress=False, settings=settings)
     t_gguf, d_gguf = fetch.resolve(model, progress=False)
     if float_draft:
-      f_draft = prepare_checkpoint(checkpoint_files(model, dtype)[1], "draft", FLOAT_DRAFT, dtype)
+      f_draft = prepare_checkpoint(checkpoint_files(model, float_dtype)[1], "draft", FLOAT_DRAFT,
+                                   float_dtype)
     hf_source = {"kind": "gguf", "target": str(t_gguf), "draft": str(d_gguf)}
     info = {"source": f"known pair {model}"}
     reason = None

@@ -267,7 +267,8 @@ def _hf_phase(opts, doc, out, chosen, prompt_list, order) -> list[str]:
   device = "cuda" if opts.device == "gpu" or (opts.device == "auto" and _on_gpu()) else "cpu"
   eos = (doc["models"].get("eos_token_ids") or None) if opts.stop_at_eos else None
   job = peers.job(source, [{"name": p.name, "ids": doc["prompts"][p.name]["prompt_ids"]}
-                           for p in todo], hmodes, opts.max_new_tokens, opts.reps, opts.dtype,
+                           for p in todo], hmodes, opts.max_new_tokens, opts.reps,
+                  opts.dtype if opts.dtype not in (None, "exact") else "float32",
                   device, eos)
   _log(f"HF peers ({', '.join(hmodes)}) on {len(todo)} prompts, in a child process")
   hf = doc.setdefault("hf", {})
