@@ -38,6 +38,13 @@ PROGRAM_KINDS = ("program", "xla-entry")
 PROMPT = test_load.PROMPT
 
 
+def _cases(kinds):
+  """Every (kind, damage): one damage per kind in the fast tier (CI), each a different one, the rest slow."""
+  return [pytest.param(kind, damage, id=f"{kind}-{damage}",
+                       marks=() if damage == DAMAGE[(i + 1) % len(DAMAGE)] else pytest.mark.slow)
+          for i, kind in enumerate(kinds) for damage in DAMAGE]
+
+
 def _flip(path, count=64):
   """Flips the low bit of each letter and digit in `count` middle bytes, keeping size and mtime.
 
@@ -108,9 +115,7 @@ def _weight_file(cache, kind):
           "tokenizer": cache / "fake-target.tokenizer.json"}[kind]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("damage", DAMAGE)
-@pytest.mark.parametrize("kind", WEIGHT_KINDS)
+@pytest.mark.parametrize("kind,damage", _cases(WEIGHT_KINDS))
 def test_a_damaged_model_cache_file_is_rebuilt(known, kind, damage, tmp_path, monkeypatch,
                                                capsys):
   clean, ids = known
@@ -165,9 +170,7 @@ def _program_files(cache, kind):
   return sorted([*cache.glob("jit_prefill-*-cache"), *cache.glob("jit_run-*-cache")])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("damage", DAMAGE)
-@pytest.mark.parametrize("kind", PROGRAM_KINDS)
+@pytest.mark.parametrize("kind,damage", _cases(PROGRAM_KINDS))
 def test_a_damaged_compiled_program_is_compiled_again(programs, kind, damage, tmp_path):
   clean, bundle, ids = programs
   cache = tmp_path / "xla"

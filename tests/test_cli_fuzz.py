@@ -19,7 +19,6 @@ import pytest
 import test_load
 from jspec import cli
 
-pytestmark = pytest.mark.slow
 
 _NUMBERS = st.one_of(
     st.integers(-3, 40), st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True),
@@ -52,9 +51,10 @@ def pair(tmp_path_factory, make_hf_model, write_gguf, tiny_vocab):
                               tiny_vocab)
 
 
-def test_random_arguments_and_bytes_end_in_exit_0_or_one_line(pair, capsys, monkeypatch):
+@pytest.mark.parametrize("examples", [8, pytest.param(40, marks=pytest.mark.slow)])
+def test_random_arguments_and_bytes_end_in_exit_0_or_one_line(pair, capsys, monkeypatch, examples):
 
-  @hypothesis.settings(max_examples=40, deadline=None, database=None,
+  @hypothesis.settings(max_examples=examples, deadline=None, database=None,
                        suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture,
                                               hypothesis.HealthCheck.too_slow])
   @hypothesis.given(argv=_argv(), prompt=st.binary(min_size=0, max_size=40),
