@@ -11,7 +11,7 @@
 // without the write. Why this exists: inside the loop over layers XLA
 // copied each layer's keys and values out of the stacked cache, and
 // transposed them, for its dots, at about 0.9 us per slot and layer
-// (README "Design measurements"): 8% of a decode step at 512 slots,
+// (docs/decisions.md): 8% of a decode step at 512 slots,
 // growing with the context. Here each key and value row is read in place.
 //
 // Each query's scores, softmax and weighted sum run over its visible slots

@@ -12,7 +12,7 @@
 // over and never overlaps the memory reads with the arithmetic. A decode step
 // multiplies a few rows by every weight of the model once, so that is where
 // its time goes: at 9 rows (a verify) XLA's dot runs at ~31 GB/s against
-// ~50 GB/s for this kernel (README "Design measurements"). Stored already in
+// ~50 GB/s for this kernel (docs/decisions.md). Stored already in
 // panels, the weight streams through once, sequentially, while the FMAs run.
 //
 // The tile: up to 12 rows x 32 columns of accumulators (24 of the 32 AVX-512
@@ -75,8 +75,7 @@ constexpr int64_t kRows = 3;
 // the weight is read from memory once however many tiles there are. (Whole
 // panels of the 1.5B's down projection are 1.1 MiB: a second row tile over
 // a whole panel read it from memory again. By hand, 17 rows of the MLP's
-// matrices took 6.5 ms that way against 5.7 ms in blocks; README "Design
-// measurements".)
+// matrices took 6.5 ms that way against 5.7 ms in blocks; docs/decisions.md.)
 constexpr int64_t kBlockK = 512;
 
 // One native vector register of floats: a panel row is kVecs of them.
@@ -155,7 +154,7 @@ void Tile(const float* x, int64_t ldx, const T* panel, int64_t k_size, float* y,
 }
 
 // Two AVX2-only changes for more rows than one tile, which go over K block
-// by block (README "Design measurements", AVX2 rows):
+// by block (docs/decisions.md, AVX2 rows):
 //
 // - A wide tile: kWideRows rows x kWideVecs vectors of columns. AVX2 has 16
 //   registers: a whole 32-column panel fits only 3 rows (12 accumulators),
@@ -194,8 +193,7 @@ constexpr int64_t kWideCols = kWideVecs * kLanes;
 // vector product over [out, in] rows reads several rows at once, at ~15-20
 // (by hand, per core, on the target's matrices). Two panels in step, each
 // with its own accumulators, read as fast as XLA there, and without the
-// software prefetch, which on that host slowed a stream (README "Design
-// measurements"). The AVX-512 host reads one panel at 97% of its roofline
+// software prefetch, which on that host slowed a stream (docs/decisions.md). The AVX-512 host reads one panel at 97% of its roofline
 // with the prefetch, so it keeps Tile<1>.
 #if defined(__AVX512F__)
 constexpr int64_t kRowPanels = 1;
@@ -355,7 +353,7 @@ constexpr std::array<TileS8Fn, kRowsS8 + 1> kTilesS8 = {nullptr, TileS8<1>, Tile
 // in step, so each core reads NP streams, as the fp32 `RowTile` does (one
 // sequential stream per core reads at about half the memory's speed on the
 // Zen 3 host), and like it without the software prefetch (0.92x TileS8<1>'s
-// time with it, 0.85-0.92x without; README "Design measurements"). The same
+// time with it, 0.85-0.92x without; docs/decisions.md). The same
 // integer sums: the output is exactly TileS8<1>'s.
 template <int NP>
 void RowTileS8(const int8_t* x, const int8_t* panel, int64_t panel_stride, int64_t groups,
@@ -594,7 +592,7 @@ ffi::Error GemmS8(ffi::ThreadPool pool, SignedBytes x, Int8Panels w,
 // The layer variants: the same products, with the weights picked from one
 // buffer per layer by a layer index. A `lax.scan` over layers then calls the
 // kernel on weights stored per layer, each read where it lies: slicing a
-// stacked weight would copy it first (README "Design measurements").
+// stacked weight would copy it first (docs/decisions.md).
 using LayerIndex = ffi::Buffer<ffi::S32, 0>;
 
 template <typename W, typename Run>
