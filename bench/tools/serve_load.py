@@ -223,7 +223,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--model", default="qwen2.5-coder", help="known pair")
   parser.add_argument("--target", help="target checkpoint path (with --draft)")
   parser.add_argument("--draft", help="draft checkpoint path")
-  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+  parser.add_argument("--dtype", default=None, choices=("exact", "float32", "bfloat16", "float16"),
+                      help="as jspec.load (default: its own, the target exact on CPU)")
   parser.add_argument("--concurrency", type=int, default=8, help="requests (default 8)")
   parser.add_argument("--max-tokens", type=int, default=None,
                       help="tokens per request (default 128; smoke 32)")
