@@ -153,11 +153,26 @@ def save(path, cfg: config_lib.Qwen2Config, tensors: dict[str, Any]) -> pathlib.
          {p: x.dtype for p, x in tensors.items()}, blocks, str(path))
   meta = {"format": FORMAT, "format_version": FORMAT_VERSION,
           "config": json.dumps(cfg.to_dict(), sort_keys=True), "blocks": json.dumps(blocks)}
+  return write_atomic(path, tensors, meta)
+
+
+def write_atomic(path: pathlib.Path, tensors: dict[str, np.ndarray],
+                 metadata: dict[str, str]) -> pathlib.Path:
+  """Writes a safetensors file whole or not at all: a temporary beside it, fsynced, renamed.
+
+  Args:
+    path: destination.
+    tensors: name -> C-contiguous array.
+    metadata: string -> string.
+
+  Returns:
+    path.
+  """
   path.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
   os.close(fd)
   try:
-    safetensors.numpy.save_file(tensors, tmp, metadata=meta)
+    safetensors.numpy.save_file(tensors, tmp, metadata=metadata)
     with open(tmp, "rb") as f:  # on disk before the rename makes it visible
       os.fsync(f.fileno())
     os.chmod(tmp, 0o644)  # mkstemp makes it owner-only

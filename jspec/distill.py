@@ -65,7 +65,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import safetensors
-import safetensors.numpy
 import tqdm
 
 from convert import config as config_lib
@@ -272,7 +271,7 @@ def make_recipe(recipe: Optional[Recipe] = None, **kwargs) -> Recipe:
 
 def _write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray],
                        metadata: dict[str, str]) -> pathlib.Path:
-  """Writes a safetensors file atomically: a temporary in the same directory, fsynced, renamed.
+  """Writes a safetensors file atomically (`convert.store.write_atomic`).
 
   Args:
     path: destination.
@@ -282,21 +281,8 @@ def _write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray],
   Returns:
     path.
   """
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-  os.close(fd)
-  try:
-    safetensors.numpy.save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp,
-                                metadata=metadata)
-    with open(tmp, "rb") as f:  # on disk before the rename makes it visible
-      os.fsync(f.fileno())
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-  except BaseException:  # KeyboardInterrupt too: never leave the temporary behind
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
-  return path
+  return store.write_atomic(path, {k: np.ascontiguousarray(v) for k, v in tensors.items()},
+                            metadata)
 
 
 def _read_safetensors(path: pathlib.Path, kind: str) -> tuple[dict[str, np.ndarray], dict]:
