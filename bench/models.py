@@ -106,7 +106,7 @@ def _numpy_params(cfg, dtype: str, seed: int, scale: float, norm: float = 1.0):
   Returns:
     A params tree of the structure and shapes `model.init_params` gives.
   """
-  module = nnx.eval_shape(lambda: model_lib.Qwen2(cfg, rngs=nnx.Rngs(0)))
+  module = model_lib.Qwen2(cfg, rngs=None)  # shapes only
   rng = np.random.default_rng(seed)
 
   def draw(shape, offset: float = 0.0) -> jax.Array:

@@ -127,12 +127,19 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 class RandomInit:
-  """Random weights for `Qwen2`'s constructor: N(0, scale), norm scales 1 + N(0, scale)."""
+  """Random weights for `Qwen2`'s constructor: N(0, scale), norm scales 1 + N(0, scale).
 
-  def __init__(self, rngs: nnx.Rngs, dtype, scale: float):
+  Without `rngs` every array is a `jax.ShapeDtypeStruct`: the module's
+  structure and shapes with nothing computed or traced (tracing the random
+  init under `nnx.eval_shape` cost seconds a load).
+  """
+
+  def __init__(self, rngs: Optional[nnx.Rngs], dtype, scale: float):
     self.rngs, self.dtype, self.scale = rngs, dtype, scale
 
   def array(self, *shape: int) -> jax.Array:
+    if self.rngs is None:
+      return jax.ShapeDtypeStruct(shape, jnp.dtype(self.dtype))
     return (self.scale * jax.random.normal(self.rngs.params(), shape, jnp.float32)).astype(self.dtype)
 
   def dense(self, i: int, o: int) -> weights.Dense:
@@ -142,6 +149,8 @@ class RandomInit:
     return weights.Table(self.array(v, d))
 
   def norm(self, d: int) -> jax.Array:
+    if self.rngs is None:
+      return self.array(d)
     return (1.0 + self.scale * jax.random.normal(self.rngs.params(), (d,))).astype(self.dtype)
 
 
@@ -260,13 +269,14 @@ class Embedding(nnx.Module):
 class Qwen2(nnx.Module):
   """The whole decoder: embeddings, L blocks, final norm, output head."""
 
-  def __init__(self, cfg: config_lib.Qwen2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
-               scale: float = 0.02):
+  def __init__(self, cfg: config_lib.Qwen2Config, *, rngs: Optional[nnx.Rngs],
+               dtype=jnp.float32, scale: float = 0.02):
     """Builds the model with random weights (`init_params`; a checkpoint replaces them).
 
     Args:
       cfg: the config.
-      rngs: random streams for the weights.
+      rngs: random streams for the weights; None: every weight a
+        `jax.ShapeDtypeStruct` (the structure alone, `graphdef`).
       dtype: weight dtype.
       scale: standard deviation of every weight and bias (norm scales are
         1 + noise so that they are not all equal).
@@ -398,12 +408,12 @@ def head_of(module: Qwen2) -> weights.Leaf:
 @functools.lru_cache(maxsize=None)
 def graphdef(cfg: config_lib.Qwen2Config) -> nnx.GraphDef:
   """The module structure of a Qwen2 with this config (what `forward` merges params into)."""
-  return nnx.graphdef(nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0))))
+  return nnx.graphdef(Qwen2(cfg, rngs=None))
 
 
 def abstract_params(cfg: config_lib.Qwen2Config, dtype=jnp.float32) -> Params:
   """The params tree of a Qwen2, as `jax.ShapeDtypeStruct`s (what a checkpoint must fill)."""
-  return params_of(nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
+  return params_of(Qwen2(cfg, rngs=None, dtype=dtype))
 
 
 def path_name(path: tuple) -> str:
