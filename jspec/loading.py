@@ -8,7 +8,11 @@ version, size, mtime and the sha256 of the file's own bytes) vouches for
 it; anything else (a truncated or edited file, one converted from another
 GGUF, a file without a stamp) is rebuilt. Conversions write a temporary
 file and rename it, so an interrupted one leaves no file under the final
-name; its temporary is removed by the next load.
+name; its temporary is removed by the next load. A known model is also kept
+prepared for this host (`jspec.prepared`: the stored forms the kernels read),
+so a later process maps it instead of reading and preparing the converted
+file; it is stamped and checked the same way, and keyed by the converted
+file's bytes, the settings, the host's kernels and jspec's code.
 
 Paths may be HF checkpoint directories, GGUF files or converted jspec files,
 mixed freely. The tokenizer (and chat template) comes from the target; a
@@ -38,6 +42,7 @@ from convert import store
 from jspec import bundle as bundle_lib
 from jspec import fetch
 from jspec import model
+from jspec import prepared as prepared_lib
 from jspec import tokenizer as tokenizer_lib
 
 DEFAULT_PAIR = "qwen2.5-coder"
@@ -225,6 +230,65 @@ def _load_cached(gguf_path: pathlib.Path, sha256: str, dtype: str, progress: boo
     out = _convert_cached(gguf_path, sha256, dtype, progress)
     return _model(out, dtype)
   return loaded
+
+
+def prepared_path(gguf_path: PathLike, dtype: str, role: str) -> pathlib.Path:
+  """Where the prepared model (`jspec.prepared`) of a cached GGUF lives, per role and storage.
+
+  Returns:
+    `<dir>/<gguf stem>.<dtype>.<role>.prepared.safetensors`.
+  """
+  gguf_path = pathlib.Path(gguf_path)
+  return gguf_path.with_name(f"{gguf_path.stem}.{dtype}.{role}.prepared.safetensors")
+
+
+def _stamped_content(out: pathlib.Path) -> Optional[str]:
+  """The sha256 of a converted file's bytes, as its stamp records them."""
+  try:
+    return json.loads(_stamp_path(out).read_text()).get("content_sha256")
+  except (OSError, ValueError, AttributeError):
+    return None
+
+
+def _prepared_cached(gguf_path: pathlib.Path, sha256: str, dtype: str, role: str,
+                     settings: bundle_lib.Settings, progress: bool) -> bundle_lib.Model:
+  """A verified GGUF's model prepared for this host: mapped from its prepared file, or made and kept.
+
+  The prepared file is trusted as the converted one is: while its stamp
+  vouches for its bytes, and only for the key it was made for (the
+  converted file's bytes, the storage, the settings, this host's kernels and jspec's
+  code). One that cannot be read is rebuilt; one that cannot be written is
+  skipped with a warning (it only saves time).
+  """
+  out = prepared_path(gguf_path, dtype, role)
+  # Made from the converted file's bytes: a rebuilt converted file (damaged,
+  # stale) makes a new key, so its prepared file is rebuilt too.
+  converted = _convert_cached(gguf_path, sha256, dtype, progress)
+  file_key = prepared_lib.key(_stamped_content(converted), role, dtype, settings)
+  if _stamp_ok(out, sha256, f"prepared:{file_key}"):
+    try:
+      return prepared_lib.load(out, file_key)
+    except prepared_lib.PreparedError as e:
+      print(f"jspec: prepared cache {' '.join(str(e).split())}; rebuilding", file=sys.stderr)
+  cfg, tensors = _load_cached(gguf_path, sha256, dtype, progress)
+  file_key = prepared_lib.key(_stamped_content(converted), role, dtype, settings)
+  stamp = f"prepared:{file_key}"
+  params = model.params_from_tensors(cfg, tensors)
+  del tensors
+  prepared = bundle_lib.prepare(cfg, params, role, settings, consume=True)
+  try:
+    with fetch.FileLock(out):
+      _discard(out)
+      prepared_lib.save(out, prepared, file_key)
+      _write_stamp(out, sha256, stamp)
+  except OSError as e:
+    try:
+      _discard(out)
+    except OSError:
+      pass
+    print(f"jspec: cannot write the prepared cache {out} ({e.strerror or type(e).__name__}); "
+          "continuing without it", file=sys.stderr)
+  return prepared
 
 
 def _tokenizer_cache_path(gguf_path: pathlib.Path) -> pathlib.Path:
@@ -452,8 +516,9 @@ def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
 
   def prepared(source, path, role):
     dtype = dtypes[role]
-    cfg, tensors = (_load_cached(path, source.sha256, dtype, progress) if source
-                    else _model(path, dtype, progress))
+    if source:
+      return _prepared_cached(path, source.sha256, dtype, role, settings, progress)
+    cfg, tensors = _model(path, dtype, progress)
     params = model.params_from_tensors(cfg, tensors)
     del tensors
     return bundle_lib.prepare(cfg, params, role, settings, consume=True)

@@ -19,9 +19,11 @@ import convert
 import jspec
 from convert import store
 from convert import config as config_lib
+from jspec import bundle as bundle_lib
 from jspec import cli
 from jspec import fetch
 from jspec import loading
+from jspec import prepared
 from jspec import tokenizer as tokenizer_lib
 
 # A one-layer draft unlike the target in every size, over the same 263-id vocab
@@ -431,6 +433,65 @@ def test_a_settled_stamp_is_trusted_without_hashing_until_the_file_changes(fake_
   os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))  # a new change time, the same bytes
   jspec.load("fake-pair", progress=False)
   assert out in hashed  # hashed, matched, and not rebuilt (conversion is patched to fail)
+
+
+def _no_prepare(monkeypatch):
+  def fail(*a, **k):
+    raise AssertionError("prepared again instead of mapping the prepared file")
+
+  monkeypatch.setattr(bundle_lib, "prepare", fail)
+  monkeypatch.setattr(loading, "_load_cached", fail)
+
+
+def test_a_second_load_maps_the_prepared_file(fake_pair, monkeypatch):
+  expected = _ids(jspec.load("fake-pair", progress=False))
+  for role, name, dtype in (("target", "fake-target", "exact"), ("draft", "fake-draft", "float32")):
+    assert loading.prepared_path(fake_pair / f"{name}.gguf", dtype, role).is_file()
+  with monkeypatch.context() as m:
+    _no_prepare(m)
+    _no_conversion(m)
+    again = jspec.load("fake-pair", progress=False)
+    assert _ids(again) == expected
+    # Other settings are another prepared model: made, not mapped.
+    with pytest.raises(AssertionError, match="prepared again"):
+      jspec.load("fake-pair", progress=False, draft_int8=False)
+
+
+@pytest.mark.parametrize("damage", ["flipped-bytes", "garbled-header-restamped"])
+def test_a_damaged_prepared_file_is_rebuilt(fake_pair, monkeypatch, capsys, damage):
+  expected = _ids(jspec.load("fake-pair", progress=False))
+  out = loading.prepared_path(fake_pair / "fake-target.gguf", "exact", "target")
+  if damage == "flipped-bytes":  # inside the weights: only the stamp notices
+    _flip_middle(out)
+  else:
+    stamp = json.loads(out.with_name(out.name + ".stamp").read_text())
+    with open(out, "r+b") as f:
+      f.seek(9)
+      f.write(b"\xff" * 16)
+    loading._write_stamp(out, fetch.MODELS["fake-target"].sha256, stamp["dtype"])
+  _no_conversion(monkeypatch)
+  assert _ids(jspec.load("fake-pair", progress=False)) == expected
+  if damage != "flipped-bytes":
+    assert "prepared cache" in capsys.readouterr().err
+  with monkeypatch.context() as m:
+    _no_prepare(m)
+    assert _ids(jspec.load("fake-pair", progress=False)) == expected  # rebuilt and kept
+
+
+def test_a_rebuilt_converted_file_rebuilds_the_prepared_one(fake_pair, monkeypatch):
+  expected = _ids(jspec.load("fake-pair", progress=False))
+  out = loading.prepared_path(fake_pair / "fake-target.gguf", "exact", "target")
+  before = json.loads(out.with_name(out.name + ".stamp").read_text())["dtype"]
+  converted = _converted(fake_pair, "fake-target")
+  before_stamp = converted.with_name(converted.name + ".stamp").read_text()
+  _flip_middle(converted)
+  assert _ids(jspec.load("fake-pair", progress=False)) == expected
+  after = json.loads(out.with_name(out.name + ".stamp").read_text())["dtype"]
+  # Its key names the converted file as it is now, whatever bytes the
+  # conversion wrote this time.
+  content = loading._stamped_content(_converted(fake_pair, "fake-target"))
+  assert after == "prepared:" + prepared.key(content, "target", "exact", jspec.Settings())
+  assert content != json.loads(before_stamp)["content_sha256"] or after == before
 
 
 def test_stale_conversion_of_another_gguf_is_rebuilt(fake_pair, monkeypatch):
