@@ -17,6 +17,7 @@ import numpy as np
 
 from jspec import bundle as bundle_lib
 from jspec import decode
+from jspec import mesh as mesh_lib
 from jspec import options as options_lib
 from jspec import programs
 
@@ -43,8 +44,30 @@ class Result:
 
 
 def bucket(n: int) -> int:
-  """`n` rounded up to a power of two (at least `MIN_BUCKET`): the decode loop's buffer widths."""
+  """`n` rounded up to a power of two (at least `MIN_BUCKET`)."""
   return max(MIN_BUCKET, 1 << (n - 1).bit_length())
+
+
+def widths(longest: int, max_new: int, gamma_max: int) -> tuple[int, int]:
+  """The padded prompt width and the buffer width of a request: both the same power of two.
+
+  Only the buffer width selects the compiled programs (with the batch size
+  and the static settings): the prompt is padded to it and prefill runs it
+  in chunks as far as the longest prompt goes (`decode.encode`), so a new
+  prompt length compiles nothing unless prompt and new tokens together
+  outgrow the power of two (docs/decisions.md, "One program for every
+  prompt length").
+
+  Args:
+    longest: tokens in the longest prompt.
+    max_new: most new tokens of a row.
+    gamma_max: the most drafts a round verifies.
+
+  Returns:
+    (prompt width, buffer width W).
+  """
+  width = decode.buffer_width(longest, max_new, gamma_max)
+  return width, width
 
 
 def is_single(prompt: Any) -> bool:
@@ -105,8 +128,10 @@ class Request:
     spec: what the programs are compiled for (`decode.Spec`).
     prompts: each row's prompt ids.
     args: prefill's positional arguments.
-    prefill, run: the compiled programs.
+    prefill, run: the compiled programs (`run` takes the round limit as an int).
     compile_s: seconds spent compiling them now (0 when they were ready).
+    host: the state as numpy for reading results (gathered across processes
+      on a mesh), or None to read the device state itself (one device).
   """
 
   spec: decode.Spec
@@ -115,6 +140,7 @@ class Request:
   prefill: Any
   run: Any
   compile_s: float
+  host: Any = None
 
 
 def request(bundle: bundle_lib.Bundle, prompt: Union[Prompt, Sequence[Prompt]],
@@ -144,6 +170,8 @@ def request(bundle: bundle_lib.Bundle, prompt: Union[Prompt, Sequence[Prompt]],
       raise ValueError(f"batch of {len(prompts)} prompts exceeds the maximum of "
                        f"{options_lib.MAX_BATCH}")
   ids = [encode(bundle, p) for p in prompts]
+  placement = bundle.target.placement
+  mesh_lib.check_batch(len(ids), placement)
   longest = max(len(i) for i in ids)
   context = bundle.target.cfg.max_position_embeddings
   if longest + options.max_new_tokens > context:
@@ -154,10 +182,8 @@ def request(bundle: bundle_lib.Bundle, prompt: Union[Prompt, Sequence[Prompt]],
   eos = ()
   if options.stop_at_eos:
     eos = tuple(getattr(bundle.tokenizer, "eos_token_ids", ()) or bundle.target.cfg.eos_token_ids)
-  # Only the buffer width (powers of two) selects the programs: prefill runs the
-  # prompt in chunks, as far as the longest prompt goes (`decode.encode`).
-  width = decode.buffer_width(bucket(longest), bucket(options.max_new_tokens), spec.gamma_max)
-  padded = np.zeros((len(ids), bucket(longest)), np.int32)
+  p_width, width = widths(longest, options.max_new_tokens, spec.gamma_max)
+  padded = np.zeros((len(ids), p_width), np.int32)
   for r, row in enumerate(ids):
     padded[r, :len(row)] = row
   draft_params = bundle.draft.params if spec.draft is not None else None
@@ -169,6 +195,8 @@ def request(bundle: bundle_lib.Bundle, prompt: Union[Prompt, Sequence[Prompt]],
   # top_p and min_confidence travel as data (`decode.Knobs`), so changing
   # them compiles nothing.
   program = spec.program()
+  if placement is not None:
+    return _mesh_request(spec, ids, mesh_lib.put_inputs(args, placement), width, placement)
   pre, t_pre = programs.PROGRAMS.get("prefill", decode.prefill, args,
                                      {"spec": program, "width": width})
   # The loop's input is prefill's output: no second trace. It donates its state.
@@ -176,6 +204,20 @@ def request(bundle: bundle_lib.Bundle, prompt: Union[Prompt, Sequence[Prompt]],
                                                         jnp.int32(0)),
                                      {"spec": program}, donate_argnums=(2,))
   return Request(spec, ids, args, pre, run, t_pre + t_run)
+
+
+def _mesh_request(spec: decode.Spec, ids: list[list[int]], args: tuple, width: int,
+                  placement) -> Request:
+  """`request`'s programs for a bundle on a mesh (`jspec.mesh`): the same two, partitioned."""
+  program = spec.program()
+  pre, t_pre = mesh_lib.PROGRAMS.get("prefill", decode.prefill, args,
+                                     {"spec": program, "width": width})
+  run, t_run = mesh_lib.PROGRAMS.get("run", decode.run, (args[0], args[1], pre.out_info,
+                                                        mesh_lib.scalar(0, placement)),
+                                     {"spec": program})
+  limited = lambda t, d, state, limit: run(t, d, state, mesh_lib.scalar(
+      min(int(limit), np.iinfo(np.int32).max), placement))
+  return Request(spec, ids, args, pre, limited, t_pre + t_run, host=mesh_lib.to_host)
 
 
 def _stats(state: decode.State, row: int, n_new: int, compile_s: float, prefill_s: float,
@@ -235,6 +277,8 @@ def generate(bundle: bundle_lib.Bundle, prompt: Union[Prompt, Sequence[Prompt]],
   jax.block_until_ready(state.tokens)
   t1 = time.perf_counter()
   state = req.run(req.args[0], req.args[1], state, jnp.int32(np.iinfo(np.int32).max))
+  if req.host is not None:
+    state = req.host(state)
   tokens = np.asarray(state.tokens)
   t2 = time.perf_counter()
   results = []
@@ -285,12 +329,13 @@ def stream(bundle: bundle_lib.Bundle, prompt: Prompt,
   limit = 0
   prefill_s = None
   while True:
-    seq_len = int(state.seq_len[0])
+    shown = state if req.host is None else req.host(state)
+    seq_len = int(shown.seq_len[0])
     if prefill_s is None:
       prefill_s = time.perf_counter() - t0
-    done = bool(state.done[0])
+    done = bool(shown.done[0])
     if seq_len > emitted_ids or done:
-      all_new = np.asarray(state.tokens[0, start:seq_len]).tolist()
+      all_new = np.asarray(shown.tokens[0, start:seq_len]).tolist()
       text = _text(bundle, all_new) or ""
       if not done and text.endswith("\ufffd"):
         text = text[:-1]  # an incomplete UTF-8 sequence: wait for its last byte
@@ -303,7 +348,7 @@ def stream(bundle: bundle_lib.Bundle, prompt: Prompt,
         yield piece, piece_ids
       emitted_ids = seq_len
     if done:
-      return _stats(state, 0, seq_len - start, req.compile_s, prefill_s,
+      return _stats(shown, 0, seq_len - start, req.compile_s, prefill_s,
                     time.perf_counter() - t0 - prefill_s)
     limit += rounds_per_dispatch
     state = req.run(req.args[0], req.args[1], state, jnp.int32(limit))

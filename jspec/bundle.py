@@ -19,6 +19,7 @@ from convert import config as config_lib
 from jspec import cpu_kernels
 from jspec import greedy_head
 from jspec import model
+from jspec import sharding
 from jspec import weights
 
 
@@ -63,16 +64,18 @@ class Model:
     cfg: its config.
     params: its params tree (`jspec.model`), matrices in their stored forms.
     backend: how it runs (`model.Backend`).
+    placement: where its params live on a mesh (`jspec.mesh.shard`); None on one device.
   """
 
   cfg: config_lib.Qwen2Config
   params: Any
   backend: model.Backend = model.Backend()
+  placement: Optional[sharding.Placement] = None
 
   @property
   def arch(self) -> model.Arch:
-    """The static part (config and backend) that programs are compiled for."""
-    return model.Arch(self.cfg, self.backend)
+    """The static part (config, backend and placement) that programs are compiled for."""
+    return model.Arch(self.cfg, self.backend, self.placement)
 
 
 @dataclasses.dataclass(frozen=True)

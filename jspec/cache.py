@@ -10,11 +10,14 @@ masked now and overwritten by the next write at the same offset.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 from convert import config as config_lib
+from jspec import sharding
 
 
 @flax.struct.dataclass
@@ -43,7 +46,8 @@ class KVCache:
 
 
 def init(cfg: config_lib.Qwen2Config, batch: int, slots: int,
-         dtype: jnp.dtype = jnp.float32) -> KVCache:
+         dtype: jnp.dtype = jnp.float32,
+         placement: Optional[sharding.Placement] = None) -> KVCache:
   """Makes an empty cache.
 
   Args:
@@ -52,13 +56,17 @@ def init(cfg: config_lib.Qwen2Config, batch: int, slots: int,
     slots: capacity S per row; size it max_len + gamma_max + 1 so that a
       verify chunk written at the end of the longest row never falls off.
     dtype: storage dtype of keys and values (the model's compute dtype).
+    placement: on a mesh, rows split over "data" and key/value heads over
+      "model" (the model's own heads); None: one device.
 
   Returns:
     A cache with every length 0.
   """
   shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
-  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                 lengths=jnp.zeros((batch,), jnp.int32))
+  k = sharding.constrain_cache(jnp.zeros(shape, dtype), placement)
+  v = sharding.constrain_cache(jnp.zeros(shape, dtype), placement)
+  lengths = sharding.constrain(jnp.zeros((batch,), jnp.int32), placement, sharding.DATA)
+  return KVCache(k=k, v=v, lengths=lengths)
 
 
 def write_layer(buf: jax.Array, layer: int, new: jax.Array, starts: jax.Array) -> jax.Array:

@@ -31,6 +31,7 @@ from jspec import bundle as bundle_lib
 from jspec import cpu_kernels
 from jspec import fetch
 from jspec import loading
+from jspec import mesh as mesh_lib
 from jspec import options as options_lib
 
 EXIT_USAGE = 2
@@ -135,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how weights are stored: exact (the checkpoint's own numbers: GGUF "
                    "quantized matrices as int8 blocks, bfloat16 as it is) or one float type "
                    "for all (default: exact for the target on CPU, float32 elsewhere)")
+  gen.add_argument("--mesh", metavar="DxM", default=None,
+                   help="run on a DATAxMODEL mesh of the devices: the target split over M "
+                   "devices (tensor-parallel), batch rows over D, the draft replicated; e.g. "
+                   "1x2 (default: one device)")
   gen.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token_ids, stats, settings), no streaming")
   gen.add_argument("--stats", action="store_true",
@@ -245,13 +250,24 @@ def _load(args, opts: options_lib.Options) -> tuple[Any, str, Optional[str]]:
                      f"{'--target' if args.target else '--model'} {target}, or use "
                      "--method prompt_lookup or --method target")
   settings = bundle_lib.Settings(draft_int8=False if args.float_draft else None)
+  mesh = _mesh(getattr(args, "mesh", None))
   # Progress bars only on a terminal: in a log they are noise around the one-line errors.
   bundle = loading.load(target, draft, dtype=args.dtype, progress=sys.stderr.isatty(),
-                        tokenizer=args.tokenizer, settings=settings)
+                        tokenizer=args.tokenizer, settings=settings, mesh=mesh)
   if bundle.tokenizer is None:
     raise UsageError(f"{target} carries no tokenizer (a converted jspec file); pass "
                      "--tokenizer with the HF directory or GGUF file it was converted from")
   return bundle, target, draft
+
+
+def _mesh(text: Optional[str]) -> Optional[Any]:
+  """The `--mesh DxM` value as a mesh of this process's devices (None: one device)."""
+  if text is None:
+    return None
+  try:
+    return mesh_lib.make(*mesh_lib.parse(text))
+  except ValueError as e:
+    raise UsageError(f"--mesh: {e}") from None
 
 
 def _finite(value: Any) -> Any:
@@ -286,7 +302,8 @@ def _generate(args) -> int:
   if args.json:
     result = api.generate(bundle, text, opts)
     settings = {**dataclasses.asdict(opts), "target": target, "draft_model": draft,
-                "dtype": args.dtype, "chat": args.chat, "float_draft": args.float_draft}
+                "dtype": args.dtype, "chat": args.chat, "float_draft": args.float_draft,
+                "mesh": args.mesh}
     print(json.dumps(_finite({"text": result.text, "token_ids": result.token_ids,
                               "stats": result.stats, "settings": settings}),
                      ensure_ascii=False, allow_nan=False))

@@ -38,6 +38,7 @@ from jspec import cache as cache_lib
 from jspec import drafters
 from jspec import model
 from jspec import sampling
+from jspec import sharding
 from jspec import speculative
 
 METHODS = ("target", "model", "prompt_lookup", "lookup_model")
@@ -193,20 +194,22 @@ class State:
   knobs: Knobs
 
 
-def buffer_width(prompt_width: int, max_new: int, gamma_max: int) -> int:
-  """Slots per row for tokens and caches: room for a full verify chunk at the end.
+def buffer_width(prompt_len: int, max_new: int, gamma_max: int) -> int:
+  """Slots per row for tokens and caches: a power of two with room for a full verify chunk at the end.
 
   Args:
-    prompt_width: padded prompt length P.
+    prompt_len: the longest prompt's tokens P.
     max_new: most tokens generated.
     gamma_max: G.
 
   Returns:
-    W = P + max_new + G + 2, so a chunk of G + 1 written at the last valid
-    position never falls off (dynamic_update_slice would clamp it back over
-    valid entries instead).
+    The power of two W >= P + max_new + G + 2, so a chunk of G + 1 written
+    at the last valid position never falls off (dynamic_update_slice would
+    clamp it back over valid entries instead), and requests of other
+    lengths share W, and so their programs.
   """
-  return prompt_width + max_new + gamma_max + 2
+  need = prompt_len + max_new + gamma_max + 2
+  return 1 << (need - 1).bit_length()
 
 
 def verify_widths(spec: Spec) -> tuple[int, ...]:
@@ -359,7 +362,8 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
   if knobs is None:
     knobs = spec.knobs()
   samp = _sampling(spec, knobs)
-  tcache = cache_lib.init(spec.target.cfg, b, width, spec.target.backend.dtype)
+  tcache = cache_lib.init(spec.target.cfg, b, width, spec.target.backend.dtype,
+                          spec.target.placement)
   logits, tcache = encode(
       lambda *a, **k: _target_forward(target_params, spec, *a, **k), tcache, prompt, prompt_len)
   p = sampling.probs(logits, samp)
@@ -369,20 +373,45 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
 
   dcache = None
   if spec.method in DRAFT_METHODS:
-    dcache = cache_lib.init(spec.draft.cfg, b, width, spec.draft.backend.dtype)
+    dcache = cache_lib.init(spec.draft.cfg, b, width, spec.draft.backend.dtype,
+                            spec.draft.placement)
     _, dcache = encode(lambda *a, **k: model.forward(spec.draft, draft_params, *a, **k), dcache,
                        prompt, prompt_len)
 
   g = spec.gamma_max
   zeros = jnp.zeros((b,), jnp.int32)
-  return State(
+  return _placed(spec, State(
       target_cache=tcache, draft_cache=dcache, tokens=tokens, seq_len=prompt_len + 1,
       prompt_len=prompt_len, max_new=max_new,
       done=_is_eos(first, eos) | (max_new <= 1), eos=eos, key=key,
       rounds=jnp.int32(0), gamma=jnp.full((b,), spec.gamma if g else 0, jnp.int32),
       row_rounds=zeros, drafted=zeros, accepted=zeros,
       hist=jnp.zeros((b, g + 1), jnp.int32), gamma_trace=jnp.zeros((b, width), jnp.int32),
-      draft_len=prompt_len, knobs=knobs)
+      draft_len=prompt_len, knobs=knobs))
+
+
+def _placed(spec: Spec, state: State) -> State:
+  """The loop state pinned to the mesh (rows over "data", caches as their models'); as is on one device.
+
+  Pinning prefill's output and every round's keeps the while loop's carry
+  in one layout, so the partitioner never moves a cache between rounds.
+  """
+  placement = spec.target.placement
+  if placement is None:
+    return state
+  pin_cache = lambda c, p: None if c is None else c.replace(
+      k=sharding.constrain_cache(c.k, p), v=sharding.constrain_cache(c.v, p),
+      lengths=sharding.constrain(c.lengths, p, sharding.DATA))
+  rows = sharding.constrain_rows
+  return state.replace(
+      target_cache=pin_cache(state.target_cache, placement),
+      draft_cache=pin_cache(state.draft_cache, spec.draft.placement if spec.draft else None),
+      tokens=rows(state.tokens, placement), seq_len=rows(state.seq_len, placement),
+      prompt_len=rows(state.prompt_len, placement), max_new=rows(state.max_new, placement),
+      done=rows(state.done, placement), gamma=rows(state.gamma, placement),
+      row_rounds=rows(state.row_rounds, placement), drafted=rows(state.drafted, placement),
+      accepted=rows(state.accepted, placement), hist=rows(state.hist, placement),
+      gamma_trace=rows(state.gamma_trace, placement), draft_len=rows(state.draft_len, placement))
 
 
 def encode(forward, cache: cache_lib.KVCache, prompt: jax.Array, prompt_len: jax.Array,
@@ -503,14 +532,14 @@ def _round(target_params, draft_params, state: State, spec: Spec) -> State:
   gamma = state.gamma
   if spec.policy == "heuristic":
     gamma = jnp.clip(gamma + jnp.where(n == gamma_eff, 2, -1), 1, g)
-  return state.replace(
+  return _placed(spec, state.replace(
       target_cache=tcache, draft_cache=dcache, tokens=tokens, seq_len=seq_len, done=done,
       rounds=state.rounds + 1, gamma=jnp.where(state.done, state.gamma, gamma),
       row_rounds=state.row_rounds + active,
       drafted=state.drafted + active * gamma_eff,
       accepted=state.accepted + active * n,
       hist=state.hist + active[:, None] * jax.nn.one_hot(n, g + 1, dtype=jnp.int32),
-      gamma_trace=_trace(state, gamma_eff), draft_len=draft_len)
+      gamma_trace=_trace(state, gamma_eff), draft_len=draft_len))
 
 
 def _draft_with_model(draft_params, state: State, spec: Spec, key: jax.Array, vocab: int):

@@ -21,6 +21,7 @@ draft with a tokenizer of its own must agree with it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -41,6 +42,7 @@ from convert import keys
 from convert import store
 from jspec import bundle as bundle_lib
 from jspec import fetch
+from jspec import mesh as mesh_lib
 from jspec import model
 from jspec import prepared as prepared_lib
 from jspec import tokenizer as tokenizer_lib
@@ -437,7 +439,8 @@ def check_tokenizers(target: tokenizer_lib.Tokenizer, draft: tokenizer_lib.Token
 def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
          dtype: Optional[str] = None, progress: bool = True,
          tokenizer: Union[None, PathLike, tokenizer_lib.Tokenizer] = None,
-         settings: Optional[bundle_lib.Settings] = None, **setting_kwargs) -> bundle_lib.Bundle:
+         settings: Optional[bundle_lib.Settings] = None, mesh: Optional[Any] = None,
+         **setting_kwargs) -> bundle_lib.Bundle:
   """Loads a target (and draft) with the target's tokenizer, prepared for this device.
 
   Args:
@@ -458,6 +461,10 @@ def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
       token-id prompts.
     settings: how the models are prepared (`jspec.Settings`: CPU kernels,
       int8 draft, greedy head, ...); None: the device's defaults.
+    mesh: a `jax.sharding.Mesh` with axes "data" and/or "model" (e.g.
+      `jax.make_mesh((2, 4), ("data", "model"))`): the target tensor-parallel
+      over "model", batch rows over "data", the draft replicated
+      (`jspec.mesh.shard`); None: one device.
     **setting_kwargs: fields of `jspec.Settings` (e.g. draft_int8=False),
       replacing those of `settings`.
 
@@ -472,7 +479,8 @@ def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
     convert.config.ConfigError: a checkpoint of another architecture or with
       settings jspec does not implement.
     jspec.tokenizer.TokenizerError: an unusable tokenizer.
-    ValueError: target and draft vocabularies differ, or bad settings.
+    ValueError: target and draft vocabularies differ, bad settings, or a
+      mesh that cannot split the target (before anything compiles).
   """
   if dtype is not None:
     keys.resolve_dtype(dtype)  # fail before any slow step
@@ -497,6 +505,12 @@ def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
     tok = tokenizer
   elif tokenizer is not None:
     tok = tokenizer_lib.load(pathlib.Path(tokenizer).expanduser())
+  elif t_source and (d_path is None or d_source):
+    # Nothing needs it before the bundle is made: read it while the models
+    # load (tokenizers builds its vocabulary without holding the GIL).
+    pending = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jspec-tok")
+    tok = pending.submit(_cached_tokenizer, t_path, t_source.sha256)
+    pending.shutdown(wait=False)
   elif t_source:
     tok = _cached_tokenizer(t_path, t_source.sha256)
   else:
@@ -525,4 +539,7 @@ def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
 
   t_model = prepared(t_source, t_path, "target")
   d_model = prepared(d_source, d_path, "draft") if d_path is not None else None
-  return bundle_lib.Bundle(t_model, d_model, tok)
+  if isinstance(tok, concurrent.futures.Future):
+    tok = tok.result()
+  bundle = bundle_lib.Bundle(t_model, d_model, tok)
+  return bundle if mesh is None else mesh_lib.shard(bundle, mesh)

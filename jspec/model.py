@@ -36,6 +36,7 @@ from convert import gguf_blocks
 from jspec import cache as cache_lib
 from jspec import cpu_attention
 from jspec import greedy_head
+from jspec import sharding
 from jspec import weights
 
 Params = Any  # the pure-dict state of a `Qwen2` (`init_params`), matrices as weight leaves
@@ -67,10 +68,17 @@ class Backend:
 
 @dataclasses.dataclass(frozen=True)
 class Arch:
-  """Everything static about one model: its config and backend (hashable)."""
+  """Everything static about one model: its config, backend and placement (hashable).
+
+  Attributes:
+    cfg: the config.
+    backend: how it runs.
+    placement: where its arrays live on a mesh (`jspec.sharding`); None on one device.
+  """
 
   cfg: config_lib.Qwen2Config
   backend: Backend = Backend()
+  placement: Optional[sharding.Placement] = None
 
 
 class Derived(nnx.Variable):
@@ -166,7 +174,7 @@ class Attention(nnx.Module):
     self.cfg = cfg
 
   def __call__(self, x, positions, k_buf, v_buf, layer, starts, *, fused: bool = False,
-               fresh: bool = False):
+               fresh: bool = False, placement: Optional[sharding.Placement] = None):
     """Attends T new tokens to the cached prefix and to each other.
 
     With `fused`, the caches are only read, by jspec's CPU attention kernel
@@ -184,6 +192,7 @@ class Attention(nnx.Module):
       starts: [B] int32 slot of the first new token per row.
       fused: attend with the kernel (see above).
       fresh: every row's cache is empty (see above).
+      placement: on a mesh, heads split over "model" and rows over "data".
 
     Returns:
       ([B, T, D] output, k_buf, v_buf) with this chunk's keys and values
@@ -197,11 +206,14 @@ class Attention(nnx.Module):
     new_v = self.v(x).reshape(b, t, k, h)
     q = rope(q, positions, cfg.rope_theta)
     new_k = rope(new_k, positions, cfg.rope_theta)
+    if placement is not None:  # each device keeps its own heads (its KV cache slice) end to end
+      heads = lambda a: sharding.constrain(a, placement, sharding.DATA, None, sharding.MODEL, None)
+      q, new_k, new_v = heads(q), heads(new_k), heads(new_v)
     if fused:
       out = cpu_attention.attend(q, new_k, new_v, k_buf, v_buf, layer, starts)  # [B, T, N, H]
       return self.o(out.reshape(b, t, n * h)), new_k, new_v
-    k_buf = cache_lib.write_layer(k_buf, layer, new_k, starts)
-    v_buf = cache_lib.write_layer(v_buf, layer, new_v, starts)
+    k_buf = sharding.constrain_cache(cache_lib.write_layer(k_buf, layer, new_k, starts), placement)
+    v_buf = sharding.constrain_cache(cache_lib.write_layer(v_buf, layer, new_v, starts), placement)
     if fresh:
       # Slots 0..T-1 are the chunk, and past them nothing is visible: a
       # prefill would otherwise score every slot of the buffer for
@@ -247,13 +259,18 @@ class DecoderBlock(nnx.Module):
     self.mlp = MLP(cfg, init)
 
   def __call__(self, x, positions, k_buf, v_buf, starts, layer, *, fused: bool = False,
-               fresh: bool = False):
+               fresh: bool = False, placement: Optional[sharding.Placement] = None):
     """x [B, T, D] -> (x, k_buf, v_buf), or with `fused` (x, new_k, new_v); see `Attention`."""
     out, k_buf, v_buf = self.attn(self.attn_norm(x), positions, k_buf, v_buf, layer, starts,
-                                  fused=fused, fresh=fresh)
-    x = x + out
-    x = x + self.mlp(self.mlp_norm(x))
+                                  fused=fused, fresh=fresh, placement=placement)
+    x = _residual(x + out, placement)
+    x = _residual(x + self.mlp(self.mlp_norm(x)), placement)
     return x, k_buf, v_buf
+
+
+def _residual(x: jax.Array, placement: Optional[sharding.Placement]) -> jax.Array:
+  """[B, T, D] the residual stream: on a mesh, rows split over "data", whole on every model device."""
+  return sharding.constrain(x, placement, sharding.DATA, None, None)
 
 
 class Embedding(nnx.Module):
@@ -292,18 +309,20 @@ class Qwen2(nnx.Module):
 
   def __call__(self, tokens, cache: cache_lib.KVCache, logits_at: Optional[jax.Array] = None, *,
                backend: Backend = Backend(), fresh: bool = False, greedy: bool = False,
-               vocab_limit: Optional[int] = None):
+               vocab_limit: Optional[int] = None,
+               placement: Optional[sharding.Placement] = None):
     """Runs T new tokens per row after each row's cached prefix (see `forward`)."""
     t = tokens.shape[1]
     starts = cache.lengths
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
-    x = self.embed(tokens)  # [B, T, D]
+    x = _residual(self.embed(tokens), placement)  # [B, T, D]
     if _scannable(self, backend):
       x, k_buf, v_buf = self._scan_layers(x, positions, cache.k, cache.v, starts, backend, fresh)
     else:
       k_buf, v_buf = cache.k, cache.v
       for i, block in enumerate(self.layers):
-        x, k_buf, v_buf = block(x, positions, k_buf, v_buf, starts, i, fresh=fresh)
+        x, k_buf, v_buf = block(x, positions, k_buf, v_buf, starts, i, fresh=fresh,
+                                placement=placement)
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)  # [B, T', D]
     x = self.norm(x)
@@ -495,7 +514,7 @@ def forward(arch: Arch, params: Params, tokens: jax.Array, cache: cache_lib.KVCa
     ([B, T', V] float32 logits, cache with lengths advanced by T).
   """
   return merge(arch.cfg, params)(tokens, cache, logits_at, backend=arch.backend, fresh=fresh, greedy=greedy,
-                vocab_limit=vocab_limit)
+                vocab_limit=vocab_limit, placement=arch.placement)
 
 
 def init_params(cfg: config_lib.Qwen2Config, key: jax.Array, dtype=jnp.float32,
