@@ -55,7 +55,7 @@ DEFAULT_MAX_TOKENS = options_lib.Options().max_new_tokens
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 DISCONNECT_POLL_S = 0.5  # how often a waiting request checks that its client is still there
 GRACEFUL_SHUTDOWN_S = 30  # Ctrl-C lets running requests finish this long (twice: at once)
-WARMUP_PROMPT_TOKENS = 100  # --warmup compiles for prompts of up to its bucket (128 tokens)
+WARMUP_PROMPT_TOKENS = 100  # --warmup compiles the buffer of a prompt this long (`api.widths`)
 # Fields OpenAI defines that jspec cannot honour, and the values that ask for nothing.
 UNSUPPORTED = {
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
@@ -723,11 +723,12 @@ def main(bundle: bundle_lib.Bundle, name: str, args: Any) -> int:
   if args.warmup:
     sizes = [1 << k for k in range(server.scheduler.max_batch.bit_length())]
     # Options' default max_new_tokens is the scheduler's floor: these
-    # programs serve every request of up to that many tokens and prompt bucket.
+    # programs serve every request of up to that many tokens whose prompt and
+    # new tokens fit the same buffer width.
     seconds = server.scheduler.warmup(
         sizes, WARMUP_PROMPT_TOKENS,
         [dataclasses.replace(server.base, temperature=t) for t in (0.0, 1.0)])
-    logger.warning("warmed up batch sizes %s (greedy and sampled, prompts up to %d tokens) "
-                   "in %.1f s", sizes, api.bucket(WARMUP_PROMPT_TOKENS), seconds)
+    logger.warning("warmed up batch sizes %s (greedy and sampled, the buffer of a %d-token "
+                   "prompt) in %.1f s", sizes, WARMUP_PROMPT_TOKENS, seconds)
   run(server, args.host, args.port)
   return 0

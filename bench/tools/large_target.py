@@ -355,10 +355,10 @@ def finite_check(m: bundle_lib.Model, token: int) -> dict[str, Any]:
           "logits_abs_max": float(np.abs(logits).max()), "logits_std": float(logits.std())}
 
 
-def _warm_tokens(n: int) -> int:
-  """A shorter generation that compiles the same programs as one of n tokens (same buckets)."""
-  b = api.bucket(n)
-  return 2 if b == api.MIN_BUCKET else b // 2 + 1
+def _warm_tokens(n_prompt: int, n: int, gamma_max: int) -> int:
+  """The shortest generation that compiles the same programs as one of n tokens (same width)."""
+  width = api.widths(n_prompt, n, gamma_max)[1]
+  return max(1, min(n, width // 2 - n_prompt - gamma_max - 1))
 
 
 def measure(bundle: jspec.Bundle, ids: list[int], chosen: list[modes_lib.Mode], n: int,
@@ -387,7 +387,9 @@ def measure(bundle: jspec.Bundle, ids: list[int], chosen: list[modes_lib.Mode], 
   compile_s = {m.name: 0.0 for m in chosen}
   if warmup:
     for m in chosen:
-      r = jspec.generate(bundle, ids, max_new_tokens=_warm_tokens(n), temperature=0.0,
+      gamma_max = jspec.Options(**m.kwargs).gammas()[1]
+      r = jspec.generate(bundle, ids, max_new_tokens=_warm_tokens(len(ids), n, gamma_max),
+                         temperature=0.0,
                          stop_at_eos=False, **m.kwargs)
       compile_s[m.name] += r.stats["compile_s"]
       log(f"warmed {m.name} (compile {r.stats['compile_s']:.1f}s)")
@@ -581,7 +583,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   hist_doc = json.loads(args.histograms.read_text())
   n_prompt = len(hist_doc["prompts"][args.prompt]["prompt_ids"]) if args.prompt in hist_doc.get(
       "prompts", {}) else 64
-  slots = api.bucket(n_prompt) + api.bucket(args.max_new_tokens) + max(gammas) + 2
+  slots = api.widths(n_prompt, args.max_new_tokens, max(gammas))[1]
 
   est = estimate(cfg, args.storage)
   d_cfg = SMOKE_DRAFT if draft_kind == "smoke" else None

@@ -60,7 +60,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   fwd = lambda *a, **k: model.forward(m.arch, m.params, *a, **k)
   for n in [int(x) for x in args.lengths.split(",")]:
     ids = np.random.RandomState(n).randint(0, cfg.vocab_size, size=(1, n)).astype(np.int32)
-    width = decode.buffer_width(api.bucket(n), api.bucket(128), 8)
+    width = api.widths(n, 128, 8)[1]
     ways = {}
     for chunk in [int(x) for x in args.chunks.split(",")]:
       prompt = jnp.asarray(np.pad(ids, ((0, 0), (0, api.bucket(n) - n))))
