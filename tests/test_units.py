@@ -77,3 +77,15 @@ class LookupTest(chex.TestCase):
     assert drafts[0].tolist() == [9, 9, 5] and int(gamma[0]) == 3
     assert int(gamma[1]) == 0
     np.testing.assert_array_equal(q[0], jax.nn.one_hot(drafts[0], 11))  # q is a point mass
+
+
+def test_only_the_power_of_two_buffer_width_depends_on_the_prompt_length():
+  from jspec import api  # pylint: disable=import-outside-toplevel
+  seen = {}
+  for p in range(1, 300):
+    p_width, width = api.widths(p, 128, 8)
+    assert p_width == width and width & (width - 1) == 0  # the prompt is padded to W
+    assert p + 128 + 8 + 2 <= width < 2 * (p + 128 + 8 + 2)  # room for a full verify at the end
+    seen.setdefault(width, []).append(p)
+  # Every prompt of up to 118 tokens shares one width (and so its programs).
+  assert seen[256] == list(range(1, 119)) and sorted(seen) == [256, 512]
