@@ -215,8 +215,11 @@ def _mesh_request(spec: decode.Spec, ids: list[list[int]], args: tuple, width: i
   run, t_run = mesh_lib.PROGRAMS.get("run", decode.run, (args[0], args[1], pre.out_info,
                                                         mesh_lib.scalar(0, placement)),
                                      {"spec": program})
-  limited = lambda t, d, state, limit: run(t, d, state, mesh_lib.scalar(
-      min(int(limit), np.iinfo(np.int32).max), placement))
+  def limited(target_params, draft_params, state, limit):
+    return run(target_params, draft_params, state,
+               mesh_lib.scalar(min(int(limit), np.iinfo(np.int32).max), placement))
+
+  limited.compiled = run  # the executable itself (its HLO, its memory analysis)
   return Request(spec, ids, args, pre, limited, t_pre + t_run, host=mesh_lib.to_host)
 
 

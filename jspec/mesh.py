@@ -224,8 +224,46 @@ def _place_params(params: Any, placement: Placement) -> Any:
       continue
     leaf = _xla_form(name, leaf) if weights.is_leaf(leaf) else leaf
     axes = _leaf_axes(name, leaf, placement)
-    out.append(jax.tree.map(lambda a, ax: _put(a, placement.sharding(*ax)), leaf, axes,
-                            is_leaf=lambda x: isinstance(x, tuple)))
+    out.append(jax.tree.map(lambda a, ax: _put(a, placement.sharding(*ax)), leaf, axes))
+  return jax.tree_util.tree_unflatten(tree, out)
+
+
+def placement_of(cfg: config_lib.Qwen2Config, mesh: Mesh, role: str) -> Placement:
+  """The placement of a model of this config in a role (`check`ed first).
+
+  Args:
+    cfg: the model's config.
+    mesh: a normalized mesh.
+    role: "target" (tensor-parallel) or "draft" (replicated over "model").
+
+  Returns:
+    Its `Placement`: the token tables split over "model" when the
+    vocabulary divides the axis, else replicated.
+  """
+  check(cfg, mesh, role)
+  target = role == "target"
+  return Placement(mesh, tensor_parallel=target,
+                   vocab_parallel=target and cfg.vocab_size % mesh.shape[MODEL] == 0)
+
+
+def abstract(params: Any, placement: Placement) -> Any:
+  """A params tree of `jax.ShapeDtypeStruct`s with the shardings `shard` would give them.
+
+  For sizing and compiling programs without any weights (`bench.tools.capacity`).
+
+  Args:
+    params: params in XLA's forms as ShapeDtypeStructs (`model.abstract_params`).
+    placement: the model's placement.
+
+  Returns:
+    The same tree, each struct carrying its `NamedSharding`.
+  """
+  leaves, tree = jax.tree_util.tree_flatten_with_path(params, is_leaf=weights.is_leaf)
+  out = []
+  for path, leaf in leaves:
+    axes = _leaf_axes(model_lib.path_name(path), leaf, placement)
+    out.append(jax.tree.map(lambda a, ax: jax.ShapeDtypeStruct(
+        a.shape, a.dtype, sharding=placement.sharding(*ax)), leaf, axes))
   return jax.tree_util.tree_unflatten(tree, out)
 
 
@@ -241,10 +279,7 @@ def place_model(m: Any, mesh: Mesh, role: str) -> Any:
     The model with placed params, its backend without the CPU kernels and
     its placement set.
   """
-  check(m.cfg, mesh, role)
-  target = role == "target"
-  placement = Placement(mesh, tensor_parallel=target,
-                        vocab_parallel=target and m.cfg.vocab_size % mesh.shape[MODEL] == 0)
+  placement = placement_of(m.cfg, mesh, role)
   params = dict(m.params)
   if "greedy_head" in params:  # the kernels' int8 head copy: no kernels on a mesh
     params["greedy_head"] = None
