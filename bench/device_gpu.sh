@@ -6,8 +6,17 @@
 #       bash bench/device_gpu.sh                              # a rehearsal on the CPU
 #
 # BENCH_ARGS are appended to the bench's own (a later option wins);
-# HISTOGRAMS, BENCH_TIMEOUT_S (default 500), PROMPT_SETS (the --prompts of
-# each run in turn) and PYTHON (python3) may be set.
+# HISTOGRAMS, BENCH_TIMEOUT_S (default 400), PROMPT_SETS (the --prompts of
+# each run in turn), MESH_TIMEOUT_S (default 120), MESH_TARGET (7b) and
+# PYTHON (python3) may be set.
+#
+# Every GPU is used: the script counts them (JAX's GPU devices, else
+# nvidia-smi's list) and says how many it found. The bench runs on one
+# (its figures are one device's); then `bench.tools.mesh_bench` runs one
+# generation on a mesh of all of them (`jspec.mesh`: the target
+# tensor-parallel, rows data-parallel; random weights of Qwen2.5-7B's
+# shapes), with its tokens/s and whether its ids equal one GPU's, in
+# $OUT/mesh_gpu.json. With one GPU that mesh is 1 x 1.
 #
 # That machine (an H200) has no network and takes 64 MiB of files, so the
 # real weights cannot travel: jspec and HF transformers run on random weights
@@ -42,12 +51,22 @@ HISTOGRAMS=${HISTOGRAMS:-bench/results/gamma_sweep_cpu.json}
 jax.devices(), 'torch', torch.__version__, torch.cuda.is_available(), 'transformers', \
 transformers.__version__)"; } > "$OUT/machine.txt" 2>&1
 
+# How many GPUs: JAX's count, or nvidia-smi's list where JAX finds no GPU backend.
+gpu_count() {
+  local n
+  n=$("$PY" -c "import jax; print(len(jax.devices('gpu')))" 2>/dev/null) && { echo "$n"; return; }
+  n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ') || true
+  echo "${n:-0}"
+}
+GPUS=$(gpu_count)
+echo "device_gpu: found $GPUS GPU(s)" | tee -a "$OUT/log.txt" "$OUT/machine.txt"
+
 # The histogram file's prompts one at a time, gammas 1..8, each run resuming
 # the last (`--resume` measures only what is missing, the HF peers included),
 # so the first prompt is complete, HF and all, before a second one starts.
 # Time on the GPU is not yet known (the layers unroll there, so compiling
 # may take most of it); the runs stop at BENCH_TIMEOUT_S in all.
-budget=${BENCH_TIMEOUT_S:-500}
+budget=${BENCH_TIMEOUT_S:-400}
 status=0
 for prompts in ${PROMPT_SETS:-quicksort quicksort,js_debounce quicksort,js_debounce,unit_tests}; do
   left=$((budget - SECONDS))
@@ -68,6 +87,16 @@ done
 # A run cut short left its records but no ratios, derived figures or plots.
 if [ "$status" != 0 ] && [ "$status" != 1 ]; then
   "$PY" -m bench.finalize "$JSON" --histograms "$HISTOGRAMS" 2>&1 | tee -a "$OUT/log.txt"
+fi
+
+# One generation on a mesh of every GPU found (1 x 1 with one GPU).
+if [ "$GPUS" -ge 1 ]; then
+  timeout --signal=INT --kill-after=20 "${MESH_TIMEOUT_S:-120}" \
+    "$PY" -m bench.tools.mesh_bench --target "${MESH_TARGET:-7b}" --devices "$GPUS" \
+      --out "$OUT/mesh_gpu.json" 2>&1 | tee -a "$OUT/log.txt"
+  echo "device_gpu: mesh of $GPUS GPU(s): exit status ${PIPESTATUS[0]}" | tee -a "$OUT/log.txt"
+else
+  echo "device_gpu: no GPU found; no mesh run" | tee -a "$OUT/log.txt"
 fi
 [ "$status" = 124 ] && exit 3
 exit "$status"

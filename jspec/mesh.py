@@ -137,9 +137,12 @@ def check(cfg: config_lib.Qwen2Config, mesh: Mesh, role: str = "target") -> None
   Raises:
     ValueError: the "model" axis does not divide the heads, the KV heads or the MLP width.
   """
-  tp = mesh.shape[MODEL]
-  if role != "target" or tp == 1:
-    return
+  if role == "target":
+    _check_split(cfg, mesh.shape[MODEL])
+
+
+def _check_split(cfg: config_lib.Qwen2Config, tp: int) -> None:
+  """Refuses a "model" axis of size `tp` that does not divide the target's heads or MLP width."""
   for field, value in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
                        ("intermediate_size", cfg.intermediate_size)):
     if value % tp:
@@ -147,6 +150,30 @@ def check(cfg: config_lib.Qwen2Config, mesh: Mesh, role: str = "target") -> None
                        f"{field}={value}: use a 'model' axis that divides {value}"
                        + (" (key/value heads are not replicated)" if field == "num_kv_heads"
                           else ""))
+
+
+def widest(cfg: config_lib.Qwen2Config, devices: int, batch: int = 1) -> tuple[int, int]:
+  """The (data, model) shape of `devices` with the widest "model" axis this target splits over.
+
+  Args:
+    cfg: the target's config.
+    devices: devices in the mesh.
+    batch: rows a generation will have (the "data" axis must divide them).
+
+  Returns:
+    (data, model) with data * model == devices.
+
+  Raises:
+    ValueError: no such shape (e.g. a batch of 1 on more devices than the target splits over).
+  """
+  for tp in range(devices, 0, -1):
+    if devices % tp == 0 and batch % (devices // tp) == 0:
+      try:
+        _check_split(cfg, tp)
+      except ValueError:
+        continue
+      return devices // tp, tp
+  raise ValueError(f"no mesh of {devices} devices splits this target and a batch of {batch}")
 
 
 def check_batch(rows: int, placement: Optional[Placement]) -> None:

@@ -249,6 +249,7 @@ def test_the_device_script_runs_the_random_weight_bench_without_gguf(tmp_path, s
   assert len(doc["runs"]) == 2  # one file, written by both runs
   assert {p.name for p in out.iterdir()} >= {"log.txt", "machine.txt", "suite_gpu_random.json",
                                              "suite_gpu_random.tokens_per_s.png"}
+  assert "device_gpu: found 0 GPU(s)" in (out / "log.txt").read_text()  # the CPU: no mesh run
 
 
 @pytest.mark.slow

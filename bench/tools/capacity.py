@@ -69,15 +69,6 @@ DRAFT = config_lib.Qwen2Config(vocab_size=DRAFT_VOCAB, hidden_size=896, intermed
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results" / "capacity.json"
 
 
-def mesh_shape(cfg: config_lib.Qwen2Config, devices: int, batch: int = BATCH) -> tuple[int, int]:
-  """(data, model) for `devices`: the widest model axis the target splits evenly over."""
-  for tp in range(devices, 0, -1):
-    if (devices % tp == 0 and cfg.num_heads % tp == 0 and cfg.num_kv_heads % tp == 0
-        and cfg.intermediate_size % tp == 0 and batch % (devices // tp) == 0):
-      return devices // tp, tp
-  raise ValueError(f"no mesh of {devices} devices splits this target")
-
-
 def _arch(cfg: config_lib.Qwen2Config, placement: mesh_lib.Placement) -> model_lib.Arch:
   return model_lib.Arch(cfg, model_lib.Backend(kernels=False, dtype="bfloat16"), placement)
 
@@ -89,7 +80,7 @@ def programs_args(name: str, devices: int):
     (args of `decode.prefill`, spec, width, (data, model)).
   """
   t_cfg = TARGETS[name]
-  shape = mesh_shape(t_cfg, devices)
+  shape = mesh_lib.widest(t_cfg, devices, BATCH)
   mesh = mesh_lib.make(*shape)
   t_place = mesh_lib.placement_of(t_cfg, mesh, "target")
   d_place = mesh_lib.placement_of(DRAFT, mesh, "draft")
