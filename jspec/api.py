@@ -129,7 +129,8 @@ class Request:
     prompts: each row's prompt ids.
     args: prefill's positional arguments.
     prefill, run: the compiled programs (`run` takes the round limit as an int).
-    compile_s: seconds spent compiling them now (0 when they were ready).
+    compile_s: seconds spent compiling the prefill now (0 when it was ready);
+      `compile_seconds` adds the loop's, which may still be compiling.
     host: the state as numpy for reading results (gathered across processes
       on a mesh), or None to read the device state itself (one device).
   """
@@ -141,6 +142,11 @@ class Request:
   run: Any
   compile_s: float
   host: Any = None
+
+  def compile_seconds(self) -> float:
+    """Seconds spent compiling both programs now: waits for a loop still compiling."""
+    run = self.run.seconds() if isinstance(self.run, programs.Pending) else 0.0
+    return self.compile_s + run
 
 
 def request(bundle: bundle_lib.Bundle, prompt: Union[Prompt, Sequence[Prompt]],
@@ -200,10 +206,12 @@ def request(bundle: bundle_lib.Bundle, prompt: Union[Prompt, Sequence[Prompt]],
   pre, t_pre = programs.PROGRAMS.get("prefill", decode.prefill, args,
                                      {"spec": program, "width": width})
   # The loop's input is prefill's output: no second trace. It donates its state.
-  run, t_run = programs.PROGRAMS.get("run", decode.run, (args[0], args[1], pre.out_info,
-                                                        jnp.int32(0)),
-                                     {"spec": program}, donate_argnums=(2,))
-  return Request(spec, ids, args, pre, run, t_pre + t_run)
+  # The loop compiles in the background while the prefill runs: the first
+  # token waits for the prefill's program only (docs/decisions.md, "Fast start").
+  run = programs.PROGRAMS.get_later("run", decode.run, (args[0], args[1], pre.out_info,
+                                                       jnp.int32(0)),
+                                    {"spec": program}, donate_argnums=(2,))
+  return Request(spec, ids, args, pre, run, t_pre)
 
 
 def _mesh_request(spec: decode.Spec, ids: list[list[int]], args: tuple, width: int,
@@ -288,7 +296,7 @@ def generate(bundle: bundle_lib.Bundle, prompt: Union[Prompt, Sequence[Prompt]],
   for r, ids in enumerate(req.prompts):
     new = tokens[r, len(ids):int(state.seq_len[r])].tolist()
     results.append(Result(_text(bundle, new), new,
-                          _stats(state, r, len(new), req.compile_s, t1 - t0, t2 - t1)))
+                          _stats(state, r, len(new), req.compile_seconds(), t1 - t0, t2 - t1)))
   return results[0] if is_single(prompt) else results
 
 
@@ -351,7 +359,7 @@ def stream(bundle: bundle_lib.Bundle, prompt: Prompt,
         yield piece, piece_ids
       emitted_ids = seq_len
     if done:
-      return _stats(shown, 0, seq_len - start, req.compile_s, prefill_s,
+      return _stats(shown, 0, seq_len - start, req.compile_seconds(), prefill_s,
                     time.perf_counter() - t0 - prefill_s)
     limit += rounds_per_dispatch
     state = req.run(req.args[0], req.args[1], state, jnp.int32(limit))

@@ -374,7 +374,7 @@ class Scheduler:
       opts = dataclasses.replace(opts, max_new_tokens=self._buffer_new(prompt_tokens,
                                                                        opts.max_new_tokens))
       for size in batch_sizes:
-        api.request(self.bundle, [[DUMMY_TOKEN] * prompt_tokens] * size, opts)
+        api.request(self.bundle, [[DUMMY_TOKEN] * prompt_tokens] * size, opts).compile_seconds()
     return time.perf_counter() - t0
 
   def _buffer_new(self, longest: int, most_new: int) -> int:

@@ -9,6 +9,7 @@ traced programs, so a second process neither traces nor compiles.
 
 from __future__ import annotations
 
+import concurrent.futures
 import tempfile
 import time
 from typing import Any, Callable
@@ -95,6 +96,23 @@ class Programs:
     self.stored += stored
     return self.cache[key], time.perf_counter() - t0
 
+  def get_later(self, name: str, fn: Callable, args: tuple, static: dict,
+                donate_argnums: tuple[int, ...] = ()) -> "Pending":
+    """`get` in a background thread: the caller runs another program meanwhile.
+
+    A generation's loop program is not needed until its prefill has run, so
+    compiling (or loading) it while the prefill runs brings the first token
+    forward by the loop's compile time.
+
+    Args:
+      name, fn, args, static, donate_argnums: as `get`.
+
+    Returns:
+      A `Pending` program: calling it waits for the compile.
+    """
+    return Pending(_COMPILER.submit(self.get, name, fn, args, static,
+                                    donate_argnums=donate_argnums))
+
   def clear(self) -> None:
     """Drops every compiled program here and in JAX's caches, so that its memory is freed.
 
@@ -107,6 +125,27 @@ class Programs:
     self.jitted.clear()
 
 
+class Pending:
+  """A program being compiled in another thread; a call waits for it, then runs it."""
+
+  def __init__(self, future: concurrent.futures.Future):
+    self._future = future
+
+  def program(self) -> Any:
+    """The compiled program (waits for it; a failed compile raises here)."""
+    return self._future.result()[0]
+
+  def seconds(self) -> float:
+    """Seconds its compile took (waits for it): 0 when it was ready."""
+    return self._future.result()[1]
+
+  def __call__(self, *args):
+    return self.program()(*args)
+
+
+# One compile at a time in the background: a second would only contend for
+# the same cores (and the same cache entries).
+_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jspec-compile")
 PROGRAMS = Programs()
 
 
