@@ -39,10 +39,12 @@ from convert import config as config_lib  # noqa: E402
 from jspec import api  # noqa: E402
 from jspec import bundle as bundle_lib  # noqa: E402
 from jspec import cache as cache_lib  # noqa: E402
+from jspec import cpu_kernels  # noqa: E402
 from jspec import decode  # noqa: E402
 from jspec import mesh as mesh_lib  # noqa: E402
 from jspec import model  # noqa: E402
 from jspec import programs  # noqa: E402
+from jspec import weights  # noqa: E402
 
 # Widths divide a "model" axis of 2 (heads 6, KV heads 2, MLP 38, vocabulary
 # 22) and are otherwise odd, so that a swapped axis is a shape error.
@@ -105,6 +107,16 @@ def generate_ids(bundle: jspec.Bundle, rows, **options) -> list[list[int]]:
   return [r.token_ids for r in jspec.generate(bundle, rows, max_new_tokens=MAX_NEW, **options)]
 
 
+def drafting(bundle: jspec.Bundle, rows, **options) -> list[tuple[int, int, int]]:
+  """Each row's (rounds, drafted, accepted): greedy, they follow from the draft's own choices.
+
+  The ids are the target's whatever the draft proposes, so a draft placed
+  or converted wrongly shows only here.
+  """
+  return [(r.stats["rounds"], r.stats["drafted"], r.stats["accepted"])
+          for r in jspec.generate(bundle, rows, max_new_tokens=MAX_NEW, **options)]
+
+
 def check_greedy(meshes, methods, same_method: bool = True) -> None:
   """Greedy output on each mesh equals the single-device run, token for token, per method.
 
@@ -129,6 +141,9 @@ def check_greedy(meshes, methods, same_method: bool = True) -> None:
       sharded = jspec.shard(base_bundle, mesh)
       got = generate_ids(sharded, rows, **METHODS[name])
       assert got == base, f"{name} on mesh {shape}: {got} != {base}"
+      if same_method and name != "target":
+        assert drafting(sharded, rows, **METHODS[name]) == drafting(
+            base_bundle, rows, **METHODS[name]), f"{name} on mesh {shape}: other drafts"
       print(f"greedy {name} mesh {shape}: equal ({time.perf_counter() - t0:.1f} s)", flush=True)
 
 
@@ -180,6 +195,54 @@ def _moved_elements(hlo: str) -> list[int]:
     dims = [int(x) for x in m.group(2).split(",") if x]
     out.append(int(np.prod(dims)) if dims else 1)
   return out
+
+
+def _as_blocks(w: weights.Dense) -> weights.Leaf:
+  """A float [I, O] matrix quantized to symmetric int8 blocks of 32 inputs (`weights.Blocks`)."""
+  t = np.asarray(w.w, np.float32).T  # [O, I]
+  blocks = t.reshape(t.shape[0], -1, 32)
+  scale = np.maximum(np.abs(blocks).max(-1), 1e-8) / 127.0  # [O, I/32]
+  q = np.clip(np.round(blocks / scale[..., None]), -127, 127).astype(np.int8)
+  return weights.blocks(q.reshape(t.shape), scale.astype(np.float32))
+
+
+def check_kernel_forms(shape=(2, 2)) -> None:
+  """A bundle prepared for the CPU kernels gives, sharded, the ids it gives on one device.
+
+  The target in float32 panels (with its greedy head) and in int8 blocks
+  (as an exact GGUF target), the draft in int8 panels: `jspec.shard`
+  turns each into XLA's forms with the same numbers.
+  """
+  import tiny  # pylint: disable=import-outside-toplevel
+
+  if not cpu_kernels.available():
+    print("kernels: not built here, skipped", flush=True)
+    return
+  kt, kd = jax.random.split(jax.random.key(1))
+  t_params = model.init_params(tiny.PACKABLE_TARGET, kt, scale=0.3)
+  d_params = model.init_params(tiny.PACKABLE_DRAFT, kd, scale=0.3)
+  as_blocks = jax.tree.map(lambda w: _as_blocks(w) if isinstance(w, weights.Dense) else w,
+                           t_params, is_leaf=weights.is_leaf)
+  settings = jspec.Settings(kernels=True, draft_int8=True)
+  rows = prompts()
+  for name, target in (("panels", t_params), ("blocks", as_blocks)):
+    bundle = bundle_lib.make((tiny.PACKABLE_TARGET, target), (tiny.PACKABLE_DRAFT, d_params),
+                             settings=settings)
+    kinds = {type(w).__name__ for w in jax.tree.leaves(bundle.target.params["layers"],
+                                                       is_leaf=weights.is_leaf)
+             if weights.is_leaf(w)}
+    assert kinds == {"Panels" if name == "panels" else "Blocks"}, kinds
+    base = generate_ids(bundle, rows, method="target")
+    assert_clear_margins(bundle, rows, base)
+    sharded = jspec.shard(bundle, mesh_lib.make(*shape))
+    assert not sharded.target.backend.kernels and sharded.target.params["greedy_head"] is None
+    for method in ("target", "model-fixed"):
+      got = generate_ids(sharded, rows, **METHODS[method])
+      assert got == base, f"{name} {method}: {got} != {base}"
+    assert drafting(sharded, rows, **METHODS["model-fixed"]) == drafting(
+        bundle, rows, **METHODS["model-fixed"]), f"{name}: the converted draft drafts otherwise"
+    print(f"kernels: a {name} target (int8-panel draft) on mesh {shape} gives its one-device ids",
+          flush=True)
 
 
 def check_errors() -> None:
@@ -318,6 +381,8 @@ def main(argv: list[str]) -> None:
     check_cache()
   elif group == "lossless":
     check_lossless()
+  elif group == "kernels":
+    check_kernel_forms()
   elif group == "placement":
     check_placement(tuple(int(x) for x in argv[1].split("x")))
   elif group == "--worker":

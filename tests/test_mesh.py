@@ -63,6 +63,13 @@ def test_greedy_every_method_equals_one_device(shape):
 
 
 @pytest.mark.slow
+def test_kernel_forms_run_sharded_with_the_same_numbers():
+  """Float32 panels (+ greedy head), int8 blocks and an int8-panel draft, unpacked for the mesh."""
+  out = _check("kernels")
+  assert out.count("gives its one-device ids") == 2 or "skipped" in out, out
+
+
+@pytest.mark.slow
 def test_placement_on_a_4x2_mesh():
   assert "collectives run" in _check("placement", "4x2")
 
