@@ -38,6 +38,10 @@ COUNTS = ("batches", "rows", "finished", "abandoned", "failed", "rejected")
 # Batches get buffers for at least this many new tokens: requests asking for
 # up to this many share one program per prompt bucket and batch size.
 MIN_NEW_TOKENS = options_lib.Options().max_new_tokens
+# Larger batches decode with the target alone (`Scheduler`): on the 2-core CPU
+# a batch of 8 ran 3.5x faster target-only than speculating, and a single
+# request 1.14x faster speculating (docs/decisions.md, "Serving batches").
+SPECULATE_MAX_BATCH = 1
 GATHER_WINDOWS = 10  # the oldest waiting request waits at most this many batch windows
 
 
@@ -263,7 +267,8 @@ class Scheduler:
   """
 
   def __init__(self, bundle: bundle_lib.Bundle, *, max_batch: int = 16, max_queue: int = 64,
-               window_s: float = 0.005, rounds_per_dispatch: int = 4):
+               window_s: float = 0.005, rounds_per_dispatch: int = 4,
+               speculate_max_batch: int = SPECULATE_MAX_BATCH):
     """Makes a scheduler; `start` runs it.
 
     Args:
@@ -274,6 +279,11 @@ class Scheduler:
         (after the newest; at most `GATHER_WINDOWS` windows after the oldest).
       rounds_per_dispatch: rounds per device call (>= 1): fewer stream
         sooner, more cost less host time.
+      speculate_max_batch: batches of more requests than this decode with
+        the target alone (0: always): a verify of B rows is B (G + 1)
+        positions, compute rather than memory once B is large, so there
+        speculation costs more than it saves. The output is the target's
+        either way.
 
     Raises:
       ValueError: a setting out of range.
@@ -286,6 +296,10 @@ class Scheduler:
       raise ValueError(f"batch window {window_s} s: expected 0 to 10 s")
     if rounds_per_dispatch < 1:
       raise ValueError(f"rounds_per_dispatch={rounds_per_dispatch}: expected at least 1")
+    if not 0 <= speculate_max_batch <= options_lib.MAX_BATCH:
+      raise ValueError(f"speculate_max_batch={speculate_max_batch}: expected 0 to "
+                       f"{options_lib.MAX_BATCH}")
+    self.speculate_max_batch = speculate_max_batch
     self.bundle = bundle
     self.max_batch = max_batch
     self.max_queue = max_queue
@@ -374,8 +388,15 @@ class Scheduler:
       opts = dataclasses.replace(opts, max_new_tokens=self._buffer_new(prompt_tokens,
                                                                        opts.max_new_tokens))
       for size in batch_sizes:
-        api.request(self.bundle, [[DUMMY_TOKEN] * prompt_tokens] * size, opts).compile_seconds()
+        api.request(self.bundle, [[DUMMY_TOKEN] * prompt_tokens] * size,
+                    self._method_for(size, opts)).compile_seconds()
     return time.perf_counter() - t0
+
+  def _method_for(self, rows: int, opts: options_lib.Options) -> options_lib.Options:
+    """The options a batch of `rows` requests runs with: target-only past `speculate_max_batch`."""
+    if rows <= self.speculate_max_batch or opts.method == "target":
+      return opts
+    return dataclasses.replace(opts, method="target", gamma=None, gamma_max=None)
 
   def _buffer_new(self, longest: int, most_new: int) -> int:
     """The new tokens a batch's buffers hold: its most, at least `MIN_NEW_TOKENS` where it fits.
@@ -497,6 +518,7 @@ class Scheduler:
     seed = first.options.seed if first.seeded else random.getrandbits(32)
     opts = dataclasses.replace(first.options, seed=seed, max_new_tokens=self._buffer_new(
         max(len(j.ids) for j in jobs), max(j.options.max_new_tokens for j in jobs)))
+    opts = self._method_for(len(jobs), opts)
     req = api.request(self.bundle, [j.ids for j in jobs] + [[DUMMY_TOKEN]] * (size - len(jobs)),
                       opts)
     args = list(req.args)

@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait; more get 429 (default: 64)")
   srv.add_argument("--max-batch", type=_number(int), default=16, metavar="N",
                    help="requests run together at most (default: 16)")
+  srv.add_argument("--speculate-max-batch", type=_number(int), default=1, metavar="N",
+                   help="batches of more requests decode with the target alone; the "
+                        "output is the same (default: 1)")
   srv.add_argument("--batch-window-ms", type=_number(float), default=5.0, metavar="MS",
                    help="how long a batch waits for one more request to join (default: 5)")
   srv.add_argument("--warmup", action="store_true",

@@ -196,7 +196,8 @@ class Server:
 
   def __init__(self, bundle: bundle_lib.Bundle, model_name: str, *, max_batch: int = 16,
                max_queue: int = 64, batch_window_s: float = 0.005, rounds_per_dispatch: int = 4,
-               base: Optional[options_lib.Options] = None):
+               base: Optional[options_lib.Options] = None,
+               speculate_max_batch: int = batching.SPECULATE_MAX_BATCH):
     """Builds the application; the scheduler starts with it (its lifespan).
 
     Args:
@@ -208,6 +209,8 @@ class Server:
       rounds_per_dispatch: decode rounds per device call.
       base: the options requests start from (method, policy, gamma ...;
         None: `jspec.Options()`).
+      speculate_max_batch: larger batches decode with the target alone
+        (`batching.Scheduler`).
 
     Raises:
       ValueError: a bundle without a tokenizer, or a bad setting.
@@ -221,7 +224,8 @@ class Server:
     self.created = int(time.time())
     self.scheduler = batching.Scheduler(bundle, max_batch=max_batch, max_queue=max_queue,
                                         window_s=batch_window_s,
-                                        rounds_per_dispatch=rounds_per_dispatch)
+                                        rounds_per_dispatch=rounds_per_dispatch,
+                                        speculate_max_batch=speculate_max_batch)
     self.app = applications.Starlette(
         routes=[routing.Route("/v1/completions", self.completions, methods=["POST"]),
                 routing.Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -698,6 +702,9 @@ def check_args(args: Any) -> None:
     raise ValueError(f"--max-batch {args.max_batch}: expected 1 to {options_lib.MAX_BATCH}")
   if args.max_queue < 1:
     raise ValueError(f"--max-queue {args.max_queue}: expected at least 1")
+  if not 0 <= args.speculate_max_batch <= options_lib.MAX_BATCH:
+    raise ValueError(f"--speculate-max-batch {args.speculate_max_batch}: expected 0 to "
+                     f"{options_lib.MAX_BATCH}")
   if not 0 <= args.batch_window_ms <= 10000:
     raise ValueError(f"--batch-window-ms {args.batch_window_ms:g}: expected 0 to 10000")
 
@@ -719,6 +726,7 @@ def main(bundle: bundle_lib.Bundle, name: str, args: Any) -> int:
   """
   check_args(args)
   server = Server(bundle, name, max_batch=args.max_batch, max_queue=args.max_queue,
+                  speculate_max_batch=args.speculate_max_batch,
                   batch_window_s=args.batch_window_ms / 1000)
   if args.warmup:
     sizes = [1 << k for k in range(server.scheduler.max_batch.bit_length())]

@@ -199,14 +199,15 @@ def _ask(url, i, mode, max_tokens, start, **extra):
 
 def test_sixteen_concurrent_clients_get_their_own_answers(bundle, running, monkeypatch):
   # A batch waits up to 10 s for more clients (it starts at once when the
-  # 16th arrives): all 16 run as one batch of 16, whose programs the
-  # expected batch of `generate` compiles, so the test compiles one shape.
+  # 16th arrives): all 16 run as one batch of 16, target-only (past
+  # `speculate_max_batch`), whose programs the expected batch of `generate`
+  # compiles, so the test compiles one shape.
   monkeypatch.setattr(running.server.scheduler, "window_s", 10.0)
   modes = ["text", "text_stream", "chat", "chat_stream"] * 4
   lengths = [6 + i for i in range(16)]  # rows of one batch end at their own lengths
   texts = [_chat(bundle, [{"role": "user", "content": f"question {i}"}]) if mode[:4] == "chat"
            else f"# task {i}\ndef solve_{i}(x):\n" for i, mode in enumerate(modes)]
-  want = [text for text, _ in _want(bundle, texts, lengths)]
+  want = [text for text, _ in _want(bundle, texts, lengths, method="target")]
   assert len(set(want)) == 16  # distinct answers: a mix-up cannot pass by coincidence
   before = _health(running)["counts"]
   start = threading.Barrier(16)
@@ -349,6 +350,18 @@ def test_a_full_queue_answers_429_and_the_waiting_requests_complete(bundle, want
     assert server.scheduler.counts["finished"] == 2
   finally:
     assert run.stop()
+
+
+def test_batches_past_speculate_max_batch_decode_with_the_target_alone(bundle):
+  scheduler = batching.Scheduler(bundle, speculate_max_batch=2)
+  opts = jspec.Options(policy="fixed", gamma=3)
+  assert scheduler._method_for(1, opts) is opts and scheduler._method_for(2, opts) is opts
+  alone = scheduler._method_for(3, opts)
+  assert alone.method == "target" and alone.gammas() == (0, 0)
+  assert batching.Scheduler(bundle)._method_for(2, opts).method == "target"  # the default: 1
+  assert batching.Scheduler(bundle, speculate_max_batch=0)._method_for(1, opts).method == "target"
+  with pytest.raises(ValueError, match="speculate_max_batch=-1"):
+    batching.Scheduler(bundle, speculate_max_batch=-1)
 
 
 def test_shutdown_is_clean(bundle):

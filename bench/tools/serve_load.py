@@ -43,6 +43,7 @@ from bench import machine
 from bench import models
 from bench import prompts as prompts_lib
 from bench import shapes
+from jspec import batching
 from jspec import serve
 from jspec import tokenizer as tokenizer_lib
 
@@ -231,6 +232,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--reps", type=int, default=None, help="timed passes (default 3; smoke 1)")
   parser.add_argument("--batch-window-ms", type=float, default=5.0,
                       help="the server's batch window (default 5, as jspec serve)")
+  parser.add_argument("--speculate-max-batch", type=int, default=batching.SPECULATE_MAX_BATCH,
+                      help="larger batches decode target-only (default: jspec serve's)")
   parser.add_argument("--out", help="results JSON (default bench/results/serve_load_<smoke|cpu>"
                                     ".json); the plot goes beside it")
   args = parser.parse_args(argv)
@@ -245,7 +248,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   tokenizer = None if args.smoke else bundle.tokenizer
   batch = [prompts_lib.encode(p, tokenizer) for p in chosen]
   server = serve.Server(bundle, NAME, max_batch=max(16, args.concurrency), max_queue=64,
-                        batch_window_s=args.batch_window_ms / 1000)
+                        batch_window_s=args.batch_window_ms / 1000,
+                        speculate_max_batch=args.speculate_max_batch)
   running = serve.Background(server)
   # The clients run in a process of their own, as real clients would: in
   # this one they would compete with the server for the interpreter.
@@ -291,7 +295,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   doc = {"tool": "bench.tools.serve_load", "command": machine.command(argv),
          "machine": machine.describe(), "git": machine.git(), "model": info,
          "settings": {"concurrency": args.concurrency, "max_tokens": max_tokens, "reps": reps,
-                      "batch_window_ms": args.batch_window_ms, "greedy": True, "ignore_eos": True,
+                      "batch_window_ms": args.batch_window_ms,
+                      "speculate_max_batch": args.speculate_max_batch, "greedy": True, "ignore_eos": True,
                       "prompts": [p.name for p in chosen],
                       "prompt_tokens": [len(ids) for ids in batch],
                       "server_options": dataclasses.asdict(server.base)},
