@@ -34,7 +34,6 @@ if "jax" not in sys.modules:  # the fake devices must exist before JAX starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
 from convert import config as config_lib  # noqa: E402
