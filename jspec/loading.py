@@ -234,14 +234,24 @@ def _load_cached(gguf_path: pathlib.Path, sha256: str, dtype: str, progress: boo
   return loaded
 
 
-def prepared_path(gguf_path: PathLike, dtype: str, role: str) -> pathlib.Path:
-  """Where the prepared model (`jspec.prepared`) of a cached GGUF lives, per role and storage.
+def prepared_path(gguf_path: PathLike, dtype: str, role: str,
+                  settings: bundle_lib.Settings = bundle_lib.Settings()) -> pathlib.Path:
+  """Where the prepared model (`jspec.prepared`) of a cached GGUF lives, per role, storage and settings.
+
+  One file per combination of settings, so loads that alternate them (the
+  bench's float draft beside the int8 one) do not rewrite each other's; a
+  new jspec version rewrites its combination's file in place.
 
   Returns:
-    `<dir>/<gguf stem>.<dtype>.<role>.prepared.safetensors`.
+    `<dir>/<gguf stem>.<dtype>.<role>[.<settings digest>].prepared.safetensors`
+    (no digest for the default settings).
   """
   gguf_path = pathlib.Path(gguf_path)
-  return gguf_path.with_name(f"{gguf_path.stem}.{dtype}.{role}.prepared.safetensors")
+  tag = ""
+  if settings != bundle_lib.Settings():
+    text = json.dumps(dataclasses.asdict(settings), sort_keys=True)
+    tag = "." + hashlib.sha256(text.encode()).hexdigest()[:8]
+  return gguf_path.with_name(f"{gguf_path.stem}.{dtype}.{role}{tag}.prepared.safetensors")
 
 
 def _stamped_content(out: pathlib.Path) -> Optional[str]:
@@ -262,7 +272,7 @@ def _prepared_cached(gguf_path: pathlib.Path, sha256: str, dtype: str, role: str
   code). One that cannot be read is rebuilt; one that cannot be written is
   skipped with a warning (it only saves time).
   """
-  out = prepared_path(gguf_path, dtype, role)
+  out = prepared_path(gguf_path, dtype, role, settings)
   # Made from the converted file's bytes: a rebuilt converted file (damaged,
   # stale) makes a new key, so its prepared file is rebuilt too.
   converted = _convert_cached(gguf_path, sha256, dtype, progress)

@@ -455,6 +455,12 @@ def test_a_second_load_maps_the_prepared_file(fake_pair, monkeypatch):
     # Other settings are another prepared model: made, not mapped.
     with pytest.raises(AssertionError, match="prepared again"):
       jspec.load("fake-pair", progress=False, draft_int8=False)
+  # ... kept in a file of its own: the default's stays.
+  jspec.load("fake-pair", progress=False, draft_int8=False)
+  floats = loading.prepared_path(fake_pair / "fake-draft.gguf", "float32", "draft",
+                                 jspec.Settings(draft_int8=False))
+  default = loading.prepared_path(fake_pair / "fake-draft.gguf", "float32", "draft")
+  assert floats != default and floats.is_file() and default.is_file()
 
 
 @pytest.mark.parametrize("damage", ["flipped-bytes", "garbled-header-restamped"])
