@@ -1,0 +1,67 @@
+"""What one speculative round costs on the default pair: a target step, a draft step, a verify.
+
+    python -m bench.tools.round_cost [--prompt "def quicksort(arr):"] [--reps 3]
+                                     [--max-new-tokens 64]
+
+Greedy, EOS off, one process, each configuration once untimed (compiles),
+then `--reps` alternating repetitions; medians of decode seconds per round.
+On a prompt the draft predicts fully (acceptance 1), fixed gamma 1 and 2
+both verify at width 3 (there is no width 2), so their difference is one
+draft step; target-only's round is one target step; gamma 8 gives the
+width-9 verify as its round less eight draft steps. The figures say how
+much of a round the draft costs (docs/decisions-compact.md, "Where the
+default's gain went").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import jspec
+
+CONFIGS = {"target": {"method": "target"}, "g1": {"policy": "fixed", "gamma": 1},
+           "g2": {"policy": "fixed", "gamma": 2}, "g8": {"policy": "fixed", "gamma": 8}}
+
+
+def main(argv=None) -> int:
+  """Runs the configurations and prints the per-round costs as JSON.
+
+  Args:
+    argv: command-line arguments (see module docstring).
+
+  Returns:
+    0.
+  """
+  parser = argparse.ArgumentParser(prog="python -m bench.tools.round_cost", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--prompt", default="def quicksort(arr):")
+  parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--max-new-tokens", type=int, default=64)
+  args = parser.parse_args(argv)
+  bundle = jspec.load(progress=False)
+  kw = dict(max_new_tokens=args.max_new_tokens, stop_at_eos=False, temperature=0.0)
+  for c in CONFIGS.values():
+    jspec.generate(bundle, args.prompt, **kw, **c)
+  runs: dict[str, list] = {k: [] for k in CONFIGS}
+  for _ in range(args.reps):
+    for name, c in CONFIGS.items():
+      runs[name].append(jspec.generate(bundle, args.prompt, **kw, **c).stats)
+  per_round = {k: statistics.median(s["decode_s"] / s["rounds"] for s in v) for k, v in runs.items()}
+  out = {"per_round_s": per_round,
+         "tokens_per_round": {k: v[0]["mean_tokens_per_round"] for k, v in runs.items()},
+         "acceptance": {k: v[0]["acceptance_rate"] for k, v in runs.items()},
+         "decode_tokens_per_s": {k: statistics.median((s["new_tokens"] - 1) / s["decode_s"]
+                                                      for s in v) for k, v in runs.items()}}
+  draft = per_round["g2"] - per_round["g1"]
+  out["derived"] = {"target_step_s": per_round["target"], "draft_step_s": draft,
+                    "verify3_s": per_round["g1"] - draft,
+                    "verify9_s": per_round["g8"] - 8 * draft,
+                    "draft_over_target": draft / per_round["target"]}
+  print(json.dumps(out, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
