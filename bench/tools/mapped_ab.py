@@ -13,6 +13,7 @@ warm-up of each): decode tokens/s per repetition and medians
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import statistics
 
@@ -28,8 +29,10 @@ def _owned(m):
       lambda x: jnp.array(np.array(x)) if isinstance(x, jax.Array) else x, m.params))
 
 
-def main() -> int:
+def main(argv=None) -> int:
   """Runs the A/B and prints one line per bundle and method. Returns 0."""
+  argparse.ArgumentParser(prog="python -m bench.tools.mapped_ab", description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
   mapped = jspec.load(progress=False)
   owned = jspec.Bundle(_owned(mapped.target), _owned(mapped.draft), mapped.tokenizer)
   p = "def quicksort(arr):"
