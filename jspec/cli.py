@@ -362,6 +362,8 @@ def _info(args) -> int:
   for row in rows:
     row["converted"] = {d: str(loading.converted_path(row["path"], d)) for d in DTYPES
                         if loading.converted_path(row["path"], d).is_file()}
+    row["prepared"] = sorted(str(p) for p in pathlib.Path(row["path"]).parent.glob(
+        f"{pathlib.Path(row['path']).stem}.*.prepared.safetensors"))
   devices = [str(d) for d in jax.devices()]
   pairs = {name: {"target": t, "draft": d} for name, (t, d) in fetch.PAIRS.items()}
   kernels = _cpu_kernels() if jax.default_backend() == "cpu" else None
@@ -388,6 +390,7 @@ def _info(args) -> int:
     if row["assembled"]:
       state += ", GGUF assembled" + (" and verified" if row["verified"] else " (not yet verified)")
     state += ", converted: " + (", ".join(row["converted"]) or "no")
+    state += f", prepared files: {len(row['prepared'])}"
     print(f"{row['name']}: {state}")
   return 0
 
