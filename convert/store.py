@@ -168,11 +168,25 @@ def write_atomic(path: pathlib.Path, tensors: dict[str, np.ndarray],
   Returns:
     path.
   """
+  return write_file_atomic(
+      path, lambda tmp: safetensors.numpy.save_file(tensors, tmp, metadata=metadata))
+
+
+def write_file_atomic(path: pathlib.Path, write: Callable[[str], None]) -> pathlib.Path:
+  """Makes a file whole or not at all: `write` fills a temporary beside it, then fsync and rename.
+
+  Args:
+    path: destination.
+    write: writes the whole file to the path it is given.
+
+  Returns:
+    path.
+  """
   path.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
   os.close(fd)
   try:
-    safetensors.numpy.save_file(tensors, tmp, metadata=metadata)
+    write(tmp)
     with open(tmp, "rb") as f:  # on disk before the rename makes it visible
       os.fsync(f.fileno())
     os.chmod(tmp, 0o644)  # mkstemp makes it owner-only

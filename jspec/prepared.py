@@ -29,7 +29,6 @@ import mmap
 import os
 import pathlib
 import struct
-import tempfile
 from typing import Any
 
 import jax
@@ -37,6 +36,7 @@ import numpy as np
 
 import convert
 from convert import config as config_lib
+from convert import store
 from jspec import bundle as bundle_lib
 from jspec import cpu_kernels
 from jspec import greedy_head
@@ -145,10 +145,9 @@ def save(path: pathlib.Path, prepared: bundle_lib.Model, file_key: str) -> pathl
     offset += a.nbytes
   header = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
   header = header.ljust(len(header) + (-(8 + len(header)) % ALIGN), b" ")
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "wb") as f:
+
+  def write(tmp: str) -> None:
+    with open(tmp, "wb") as f:
       f.write(struct.pack("<Q", len(header)))
       f.write(header)
       for name, a in order:
@@ -156,14 +155,8 @@ def save(path: pathlib.Path, prepared: bundle_lib.Model, file_key: str) -> pathl
           f.write(b"\0" * (entries[name]["data_offsets"][1] - entries[name]["data_offsets"][0]))
         else:
           f.write(memoryview(np.ascontiguousarray(a)).cast("B"))
-      f.flush()
-      os.fsync(f.fileno())
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-  except BaseException:  # KeyboardInterrupt too: never leave the temporary behind
-    pathlib.Path(tmp).unlink(missing_ok=True)
-    raise
-  return path
+
+  return store.write_file_atomic(path, write)
 
 
 def _rebuild(spec: Any, arrays: dict[str, Any]) -> Any:

@@ -135,3 +135,20 @@ def test_key_changes_with_what_the_model_is_made_from():
                 prepared.key("a" * 64, "target", "float32", jspec.Settings()),
                 prepared.key("a" * 64, "target", "exact", jspec.Settings(draft_int8=False))):
     assert other != base
+
+
+def test_an_interrupted_save_leaves_no_file_and_no_temporary(bundle, tmp_path, monkeypatch):
+  path = tmp_path / "m.safetensors"
+  calls = []
+  real = np.ascontiguousarray
+
+  def dies_midway(a, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:  # some arrays written, the rest not
+      raise KeyboardInterrupt
+    return real(a, *args, **kwargs)
+
+  monkeypatch.setattr(np, "ascontiguousarray", dies_midway)
+  with pytest.raises(KeyboardInterrupt):
+    prepared.save(path, bundle.target, KEY)
+  assert len(calls) == 3 and list(tmp_path.iterdir()) == []
