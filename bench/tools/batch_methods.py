@@ -49,6 +49,9 @@ def main(argv=None) -> int:
   parser.add_argument("--out", type=pathlib.Path,
                       default=pathlib.Path("bench/results/batch_methods_cpu.json"))
   args = parser.parse_args(argv)
+  if not 1 <= args.rows <= len(prompts_lib.SUITE) or args.reps < 1 or args.max_new_tokens < 1:
+    parser.error(f"--rows must be 1 to {len(prompts_lib.SUITE)}, --reps and --max-new-tokens "
+                 "at least 1")
   bundle = jspec.load(progress=False)
   ids = [prompts_lib.encode(p, bundle.tokenizer) for p in prompts_lib.SUITE[:args.rows]]
   kw = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, stop_at_eos=False)

@@ -51,6 +51,8 @@ def main(argv=None) -> int:
   parser.add_argument("--out", type=pathlib.Path,
                       default=pathlib.Path("bench/results/buffer_width.json"))
   args = parser.parse_args(argv)
+  if args.reps < 1 or args.max_new_tokens < 2:
+    parser.error("--reps must be at least 1 and --max-new-tokens at least 2")
   suite = {p.name: p for p in prompts_lib.SUITE}
   names = args.prompts.split(",")
   unknown = [n for n in names if n not in suite]

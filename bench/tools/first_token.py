@@ -55,7 +55,7 @@ try:
 except StopIteration as stop:
   stats = stop.value
 print(json.dumps({
-    "to_first_token_s": first - launched, "python_start_s": None,
+    "to_first_token_s": first - launched,
     "import_s": t1 - t0, "load_s": t2 - t1, "stream_to_first_s": t3 - t2,
     "compile_s": stats["compile_s"], "prefill_s": stats["prefill_s"],
     "compiles": programs.PROGRAMS.compiles, "stored": programs.PROGRAMS.stored,

@@ -40,6 +40,8 @@ def main(argv=None) -> int:
   parser.add_argument("--reps", type=int, default=3)
   parser.add_argument("--max-new-tokens", type=int, default=64)
   args = parser.parse_args(argv)
+  if args.reps < 1 or args.max_new_tokens < 2:
+    parser.error("--reps must be at least 1 and --max-new-tokens at least 2")
   bundle = jspec.load(progress=False)
   kw = dict(max_new_tokens=args.max_new_tokens, stop_at_eos=False, temperature=0.0)
   for c in CONFIGS.values():
