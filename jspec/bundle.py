@@ -32,6 +32,11 @@ class Settings:
       wherever they build.
     draft_int8: store the draft's matrices in int8 (a cheaper proposer;
       the output stays the target's). None: on CPU.
+    target_int8: store the target's matrices in int8 with a scale per
+      output. Lossy: the output is then no longer exactly the checkpoint's
+      model (`bench.tools.target_int8` measures by how much), so it is
+      an explicit opt-in for checkpoints that exact storage cannot shrink
+      (float32).
     greedy_head: give a float32 kernel-stored target the int8 copy of its
       head that greedy steps read (`jspec.greedy_head`).
     fused_attention: with the kernels, attend over the caches in place
@@ -42,6 +47,7 @@ class Settings:
 
   kernels: Optional[bool] = None
   draft_int8: Optional[bool] = None
+  target_int8: bool = False
   greedy_head: bool = True
   fused_attention: bool = True
   scan_layers: bool = True
@@ -51,7 +57,7 @@ class Settings:
       if getattr(self, name) not in (None, True, False):
         raise ValueError(f"{name}={getattr(self, name)!r}: expected True, False or None "
                          "(the device's default)")
-    for name in ("greedy_head", "fused_attention", "scan_layers"):
+    for name in ("target_int8", "greedy_head", "fused_attention", "scan_layers"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")
 
@@ -163,8 +169,9 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
     cfg: the model's config.
     params: its params tree with float matrices (`model.init_params`, or
       a loaded checkpoint).
-    role: "target" or "draft" (only a draft may be int8: its output is
-      exact either way; only a target gets a greedy head).
+    role: "target" or "draft" (a draft is int8 by default on CPU: its
+      output is exact either way; a target only with `target_int8`, which
+      is lossy; only a target gets a greedy head).
     settings: the load-time choices.
     consume: empty `params` as it goes (loading: peak memory is then the
       model plus one matrix); otherwise it is left as it was.
@@ -184,8 +191,10 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
   elif kernels and not (where == "cpu" and cpu_kernels.available()):
     raise ValueError("kernels=True, but jspec's CPU kernels cannot run here: "
                      + (cpu_kernels.unavailable_reason() or f"the params are on {where}"))
-  int8 = role == "draft" and (settings.draft_int8 if settings.draft_int8 is not None
-                              else where == "cpu")
+  if role == "draft":
+    int8 = settings.draft_int8 if settings.draft_int8 is not None else where == "cpu"
+  else:
+    int8 = settings.target_int8
   if int8:
     packed = kernels and cpu_kernels.int8_available()
     convert_leaf = lambda w: weights.to_int8(w, panels=packed)

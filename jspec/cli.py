@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest suffix prompt_lookup matches (shorter ones draft less) and the "
                    f"n-gram lookup_model copies after, at most {options_lib.MAX_NGRAM} "
                    f"(default: {default.ngram})")
+  gen.add_argument("--target-int8", action="store_true",
+                   help="store the target in int8 with a scale per output (lossy: the output is "
+                   "no longer exactly the checkpoint's model; for float32 checkpoints, which "
+                   "exact storage cannot shrink)")
   gen.add_argument("--float-draft", action="store_true",
                    help="draft with the draft's float weights (default on CPU: int8, about half "
                    "the cost per draft step; the output is the target's either way)")
@@ -167,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how weights are stored: exact (the checkpoint's own numbers: GGUF "
                    "quantized matrices as int8 blocks, bfloat16 as it is) or one float type "
                    "for all (default: exact for the target on CPU, float32 elsewhere)")
+  srv.add_argument("--target-int8", action="store_true",
+                   help="store the target in int8 with a scale per output (lossy: the output is "
+                   "no longer exactly the checkpoint's model; for float32 checkpoints, which "
+                   "exact storage cannot shrink)")
   srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
   srv.add_argument("--port", type=_number(int), default=8000, help="port (default: 8000; 0: any)")
   srv.add_argument("--max-queue", type=_number(int), default=64, metavar="N",
@@ -252,7 +260,11 @@ def _load(args, opts: options_lib.Options) -> tuple[Any, str, Optional[str]]:
     raise UsageError(f"--method {opts.method} needs a draft model: pass --draft-model PATH with "
                      f"{'--target' if args.target else '--model'} {target}, or use "
                      "--method prompt_lookup or --method target")
-  settings = bundle_lib.Settings(draft_int8=False if args.float_draft else None)
+  settings = bundle_lib.Settings(draft_int8=False if args.float_draft else None,
+                                 target_int8=args.target_int8)
+  if args.target_int8:
+    print("jspec: --target-int8: the target is quantized (lossy); its output is not exactly "
+          "the checkpoint's model", file=sys.stderr)
   mesh = _mesh(getattr(args, "mesh", None))
   # Progress bars only on a terminal: in a log they are noise around the one-line errors.
   bundle = loading.load(target, draft, dtype=args.dtype, progress=sys.stderr.isatty(),
@@ -306,7 +318,7 @@ def _generate(args) -> int:
     result = api.generate(bundle, text, opts)
     settings = {**dataclasses.asdict(opts), "target": target, "draft_model": draft,
                 "dtype": args.dtype, "chat": args.chat, "float_draft": args.float_draft,
-                "mesh": args.mesh}
+                "target_int8": args.target_int8, "mesh": args.mesh}
     print(json.dumps(_finite({"text": result.text, "token_ids": result.token_ids,
                               "stats": result.stats, "settings": settings}),
                      ensure_ascii=False, allow_nan=False))

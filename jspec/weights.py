@@ -292,7 +292,9 @@ def to_int8(w: Leaf, panels: bool = False) -> Leaf:
   """W quantized per output (symmetric int8), optionally stored for the int8 kernel.
 
   The draft only proposes; rejection sampling keeps the output the
-  target's for any q, so the draft may be quantized and the target may not.
+  target's for any q, so the draft may be quantized freely; the target
+  only by explicit opt-in (`jspec.Settings(target_int8=True)`), as that
+  changes the model.
 
   Args:
     w: a float leaf.
