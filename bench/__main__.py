@@ -1,4 +1,4 @@
-"""`python -m bench`: jspec's decoding modes against HF transformers, in one run.
+"""`python -m bench`: jspec's decoding modes against HF transformers and llama.cpp, in one run.
 
 Examples:
   python -m bench                                    # full suite, every mode, real pair
@@ -6,6 +6,8 @@ Examples:
   python -m bench --suite humaneval --limit 20 --modes target,spec_g4,heuristic
   python -m bench --resume --out bench/results/suite_cpu.json   # continue a run that died
   python -m bench --smoke                            # tiny random models, seconds
+  python -m bench.llamacpp --build-only              # once: builds llama.cpp (minutes),
+  python -m bench --prompts 3 --modes target,spec_g4,llamacpp   # then it is a peer
   python -m bench --random-weights --dtype bfloat16 --device gpu \\
       --histograms bench/results/suite_cpu.json       # GPU, no weight files
 
@@ -32,6 +34,16 @@ def _ints(text: str) -> list[int]:
   return values
 
 
+def _positive(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected an integer") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
+  return value
+
+
 def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
   """The command-line options.
 
@@ -51,8 +63,9 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                                       "names and kinds (code, edit, chat)")
   what.add_argument("--modes", help="comma-separated modes (target, spec_g<G>, heuristic, "
                                     "confidence, confidence_f32, prompt_lookup, lookup_model, "
-                                    "hf_target, hf_assisted) or groups (spec, adaptive, lookup, "
-                                    "hf, jspec); target is always run")
+                                    "hf_target, hf_assisted, llamacpp_target, llamacpp_spec) or "
+                                    "groups (spec, adaptive, lookup, hf, llamacpp, jspec); target "
+                                    "is always run")
   what.add_argument("--gammas", type=_ints, help="fixed gammas (default 1,2,...,8)")
   what.add_argument("--adaptive-gamma-max", type=int, default=8,
                     help="static gamma bound of the adaptive policies (default 8)")
@@ -72,6 +85,14 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                     help="stop at EOS on both sides (default: EOS disabled on both, so every "
                          "generation is --max-new-tokens long)")
   what.add_argument("--no-hf", action="store_true", help="skip the HF transformers peers")
+  what.add_argument("--no-llamacpp", action="store_true",
+                    help="skip the llama.cpp peers (by default they run on a GGUF pair where "
+                         "llama.cpp's tools are already built: python -m bench.llamacpp "
+                         "--build-only; a run never builds them)")
+  what.add_argument("--llamacpp-draft-max", type=_positive, default=8,
+                    help="llamacpp_spec's drafts per step, --spec-draft-n-max (default 8)")
+  what.add_argument("--llamacpp-threads", type=_positive, default=2,
+                    help="CPU threads of the llama.cpp peers (default 2)")
   what.add_argument("--no-bracket", action="store_true",
                     help="do not time jspec target-only again after the HF peers (by default "
                          "it is, and the ratio to HF target-only uses the mean of both times)")

@@ -16,7 +16,9 @@ Fair terms, as far as llama.cpp's tools allow:
     time of the whole process (model load included).
 
 `python -m bench.llamacpp --prompts N --max-new-tokens M --out FILE.json`
-runs both modes on the first N prompts of jspec's suite with the real pair.
+runs both modes on the first N prompts of jspec's suite with the real pair;
+`python -m bench.llamacpp --build-only` only builds the tools, after which
+`python -m bench` runs llama.cpp as a peer in its own runs (it never builds).
 """
 
 from __future__ import annotations
@@ -662,6 +664,7 @@ def generate(tools: Tools, model_path: os.PathLike, prompt_text: str, n_predict:
 # --- the suite ---------------------------------------------------------------------------------
 
 DEFAULT_SWEEP = (2, 4, 8, 16)
+BUILD_COMMAND = "python -m bench.llamacpp --build-only"  # what a skipped peer's reason names
 TARGET_MODEL = "qwen2.5-coder-1.5b"
 DRAFT_MODEL = "qwen2.5-coder-0.5b"
 
@@ -731,6 +734,110 @@ def medians(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
               and r["speculative"][key] is not None]
     out[f"speedup_{key[6:]}"] = _median(ratios)
   return out
+
+
+def _e2e_tok_s(run: dict[str, Any]) -> Optional[float]:
+  """Prefill and decode tokens/s of one `generate` result, by llama.cpp's own clock (loading excluded).
+
+  Args:
+    run: a `generate` result.
+
+  Returns:
+    n_tokens over the prompt's and the generation's seconds as llama.cpp
+    prints them (prompt eval + eval; encode + decode with a draft), or
+    None where it printed neither.
+  """
+  if run["speculative"] is None:
+    parts = [run["timings"].get("prompt_eval_ms"), run["timings"].get("eval_ms")]
+    seconds = None if None in parts else sum(parts) / 1000
+  else:
+    parts = [run["speculative"].get("encode_s"), run["speculative"].get("decode_s")]
+    seconds = None if None in parts else sum(parts)
+  return round(run["n_tokens"] / seconds, 3) if seconds else None
+
+
+def peer_record(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  """One llama.cpp mode's record in a `python -m bench` document, from its repetitions on one prompt.
+
+  Args:
+    runs: `generate` results of one mode on one prompt, one per repetition.
+
+  Returns:
+    {"engine": "llamacpp", "mode", "draft_max", "text" and "new_tokens"
+    and "stopped_at_eog" (the first repetition's), "reps_identical" (every
+    repetition made that text), "tokens_per_s" (prefill + decode by
+    llama.cpp's own timings, `_e2e_tok_s`), "decode_tokens_per_s" (its
+    reported eval tokens/s, or decode speed with a draft), "wall_s" and
+    "wall_tokens_per_s" (the whole process, model loading included),
+    "prompt_tokens", "accept_pct" (with a draft), "reps" (each
+    repetition's figures), "command", "env"}; tokens/s and seconds are
+    medians over the repetitions.
+  """
+  first = runs[0]
+  reps = [{"tokens_per_s": _e2e_tok_s(r), "decode_tokens_per_s": r["tok_s_reported"],
+           "wall_s": r["wall_s"], "wall_tokens_per_s": r["tok_s_wall"], "n_tokens": r["n_tokens"],
+           "loadavg_1m": r["loadavg_1m"], "attempts": r["attempts"], "timings": r["timings"],
+           "speculative": r["speculative"]} for r in runs]
+  return {
+      "engine": "llamacpp", "mode": first["mode"], "draft_max": first["draft_max"],
+      "text": first["text"], "new_tokens": first["n_tokens"],
+      "stopped_at_eog": first["stopped_at_eog"],
+      "reps_identical": all(r["text"] == first["text"] for r in runs),
+      **{key: _median([rep[key] for rep in reps])
+         for key in ("tokens_per_s", "decode_tokens_per_s", "wall_s", "wall_tokens_per_s")},
+      "prompt_tokens": first["prompt_tokens"],
+      "accept_pct": (first["speculative"] or {}).get("accept_pct"),
+      "reps": reps, "command": first["command"], "env": first["env"]}
+
+
+def peer_records(tools: Tools, target_path: os.PathLike, draft_path: os.PathLike, text: str,
+                 max_new_tokens: int, reps: int, modes: dict[str, dict[str, Any]],
+                 env: Optional[dict[str, str]] = None,
+                 timeout: float = 900) -> dict[str, dict[str, Any]]:
+  """Runs llama.cpp's peer modes on one prompt of a `python -m bench` run, repetitions alternating between modes.
+
+  Args:
+    tools: from `build` or `find_built`.
+    target_path: the target GGUF.
+    draft_path: the draft GGUF.
+    text: the prompt text (`prompt_text`).
+    max_new_tokens: tokens per generation at most (llama.cpp stops at end of generation).
+    reps: repetitions per mode.
+    modes: mode name -> {"threads", "draft_max"} (no draft_max: the target alone).
+    env: extra environment of every llama.cpp process (see `generate`).
+    timeout: seconds per process.
+
+  Returns:
+    Mode name -> `peer_record`, with "prompt_token_ids" (llama.cpp's
+    tokenization of the prompt, from the target-alone mode; None with a draft).
+
+  Raises:
+    LlamaCppError: a tool failed (see `generate`).
+  """
+  runs: dict[str, list[dict[str, Any]]] = {name: [] for name in modes}
+  for _ in range(reps):
+    for name, settings in modes.items():
+      draft_max = settings.get("draft_max")
+      runs[name].append(generate(tools, target_path, text, max_new_tokens,
+                                 settings.get("threads", 2),
+                                 draft_path if draft_max else None, draft_max, timeout, env))
+  out = {}
+  for name, rs in runs.items():
+    out[name] = peer_record(rs)
+    out[name]["prompt_token_ids"] = rs[0]["prompt_token_ids"]
+  return out
+
+
+def manifest(tools: Tools) -> dict[str, Any]:
+  """The build's build.json, so a results file names the llama.cpp it measured.
+
+  Args:
+    tools: from `build` or `find_built`.
+
+  Returns:
+    Its contents, or {} where it is unreadable.
+  """
+  return _manifest(tools)
 
 
 def _write_json(doc: dict[str, Any], path: pathlib.Path) -> None:
@@ -846,7 +953,7 @@ def find_built(cache_dir: Optional[os.PathLike] = None) -> Optional[Tools]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """`python -m bench.llamacpp`: builds llama.cpp if needed and runs the suite's first prompts.
+  """`python -m bench.llamacpp`: builds llama.cpp if needed and runs the suite's first prompts (or only builds).
 
   Args:
     argv: command-line arguments (default: sys.argv[1:]).
@@ -864,6 +971,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="draft lengths tried on the first prompt (default: 2,4,8,16)")
   parser.add_argument("--timeout", type=float, default=900, help="seconds per llama.cpp process")
   parser.add_argument("--jobs", type=int, default=None, help="compile jobs (default: all CPUs)")
+  parser.add_argument("--build-only", action="store_true",
+                      help="build the tools (once per version and CPU) and run nothing; "
+                           "python -m bench then runs llama.cpp as a peer")
   parser.add_argument("--omp-wait-policy", choices=("default", "active", "passive"),
                       default="default",
                       help="OMP_WAIT_POLICY of llama.cpp's OpenMP threads; passive suits a machine"
@@ -876,6 +986,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if not sweep or min(sweep) < 1 or args.max_new_tokens < 1:
     parser.error("--sweep values and --max-new-tokens must be >= 1")
 
+  if args.jobs is not None and args.jobs < 1:
+    parser.error("--jobs must be >= 1")
+  if args.build_only:
+    try:
+      start = time.monotonic()
+      tools = build(progress=True, jobs=args.jobs)
+    except LlamaCppError as e:
+      print(f"llamacpp: {e}", file=sys.stderr)
+      return 1
+    print(f"llamacpp: tools in {tools.root} ({time.monotonic() - start:.0f} s)")
+    return 0
   from bench import prompts as prompts_lib  # pylint: disable=import-outside-toplevel
   from jspec import fetch  # pylint: disable=import-outside-toplevel
   from jspec import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel

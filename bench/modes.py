@@ -1,4 +1,4 @@
-"""The settings a run measures: jspec modes (each a `jspec.generate` call) and the HF peers.
+"""The settings a run measures: jspec modes (each a `jspec.generate` call) and the peers.
 
 Mode names are the keys of the results JSON:
   target            jspec, the target alone (the baseline every ratio and the
@@ -16,6 +16,10 @@ Mode names are the keys of the results JSON:
                     to --lookup-model-gamma-max drafts)
   hf_target         HF transformers `generate`, the target alone
   hf_assisted       HF transformers `generate` with `assistant_model=` the draft
+  llamacpp_target   llama.cpp's llama-completion, the target GGUF alone, greedy
+                    (`bench.llamacpp`; only where its tools are built)
+  llamacpp_spec     llama.cpp's llama-speculative-simple with the draft GGUF,
+                    at most --llamacpp-draft-max drafts per step
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 HF_MODES = ("hf_target", "hf_assisted")
+LLAMACPP_MODES = ("llamacpp_target", "llamacpp_spec")
 GROUPS = {
     "spec": "every spec_g<G> of --gammas",
     "adaptive": "heuristic and confidence (and confidence_f32 with --float-draft)",
     "lookup": "prompt_lookup and lookup_model",
     "hf": "hf_target and hf_assisted",
+    "llamacpp": "llamacpp_target and llamacpp_spec",
     "jspec": "every jspec mode",
 }
 
@@ -39,10 +45,11 @@ class Mode:
 
   Attributes:
     name: key in the results (see the module docstring).
-    engine: "jspec" or "hf".
-    group: "target", "spec", "adaptive", "lookup" or "hf".
+    engine: "jspec", "hf" or "llamacpp".
+    group: "target", "spec", "adaptive", "lookup", "hf" or "llamacpp".
     kwargs: fields of `jspec.Options`, as keyword arguments of
-      `jspec.generate` (jspec modes only).
+      `jspec.generate` (jspec modes); llama.cpp's settings, threads and
+      draft_max (llama.cpp modes); empty for the HF peers.
     gamma: the fixed gamma of a spec_g<G> mode, else None.
     draft_int8: how the draft this mode runs is loaded
       (`jspec.Settings.draft_int8`): None the run's bundle (int8 on CPU),
@@ -68,7 +75,8 @@ class Mode:
 
 def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: float,
               lookup_gamma: int, ngram: int, float_draft: bool = False,
-              lookup_model_gamma_max: int = 16) -> list[Mode]:
+              lookup_model_gamma_max: int = 16, llamacpp_draft_max: int = 8,
+              llamacpp_threads: int = 2) -> list[Mode]:
   """Every mode a default run measures, in report order.
 
   Args:
@@ -80,6 +88,8 @@ def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: fl
     float_draft: one more confidence mode whose draft keeps its float
       weights, to compare with the int8 draft of the default in one run.
     lookup_model_gamma_max: static gamma bound of lookup_model.
+    llamacpp_draft_max: llama.cpp's drafts per step (--spec-draft-n-max) in llamacpp_spec.
+    llamacpp_threads: CPU threads of the llama.cpp peers (target and draft).
 
   Returns:
     The modes.
@@ -110,16 +120,21 @@ def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: fl
                      "ngram": ngram, "policy": "confidence", "min_confidence": min_confidence}))
   modes.append(Mode("hf_target", "hf", "hf"))
   modes.append(Mode("hf_assisted", "hf", "hf"))
+  modes.append(Mode("llamacpp_target", "llamacpp", "llamacpp", {"threads": llamacpp_threads}))
+  modes.append(Mode("llamacpp_spec", "llamacpp", "llamacpp",
+                    {"threads": llamacpp_threads, "draft_max": llamacpp_draft_max}))
   return modes
 
 
-def select(modes: Sequence[Mode], spec: Optional[str], hf: bool = True) -> list[Mode]:
+def select(modes: Sequence[Mode], spec: Optional[str], hf: bool = True,
+           llamacpp: bool = True) -> list[Mode]:
   """Picks modes by a `--modes` value; "target" is always kept (the baseline).
 
   Args:
     modes: from `all_modes`.
     spec: None (all) or comma-separated mode names and group names (see GROUPS).
     hf: False drops the HF peers (`--no-hf`).
+    llamacpp: False drops the llama.cpp peers (`--no-llamacpp`).
 
   Returns:
     The chosen modes, in report order.
@@ -139,6 +154,8 @@ def select(modes: Sequence[Mode], spec: Optional[str], hf: bool = True) -> list[
               or ("jspec" in wanted and m.engine == "jspec")]
   if not hf:
     chosen = [m for m in chosen if m.engine != "hf"]
+  if not llamacpp:
+    chosen = [m for m in chosen if m.engine != "llamacpp"]
   return chosen
 
 

@@ -6,6 +6,9 @@
                                 bars, one dot per prompt
   <name>.histograms.png         accepted drafts per round, one panel per mode,
                                 summed over the prompts
+  <name>.vs_llamacpp.png        (with llama.cpp records) each jspec mode's decode
+                                speedup over llamacpp_target and llamacpp_spec:
+                                suite median bars, one dot per prompt
 Derived figures (--random-weights) are hatched or dashed and say so.
 """
 
@@ -59,7 +62,8 @@ def speedup_vs_gamma(doc: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
   summary = doc.get("summary", {})
   for mode, color in (("heuristic", "tab:purple"), ("confidence", "tab:green"),
                       ("prompt_lookup", "tab:orange"), ("lookup_model", "tab:brown"),
-                      ("hf_assisted", "tab:red")):
+                      ("hf_assisted", "tab:red"), ("llamacpp_target", "tab:olive"),
+                      ("llamacpp_spec", "tab:green")):
     value = results.value(summary[mode], "speedup_vs_target") if mode in summary else None
     if value is not None:  # modes without a fixed gamma: their suite median as a level
       ax.axhline(value, color=color, linestyle=":", label=f"{mode} (median)")
@@ -98,7 +102,7 @@ def tokens_per_s(doc: dict[str, Any], path: pathlib.Path, mode_order: list[str])
       continue
     derived = doc["summary"][mode].get("derived")
     color = ("tab:red" if mode.startswith("hf") else "tab:grey" if mode == "target"
-             else "tab:blue")
+             else "tab:green" if mode.startswith("llamacpp") else "tab:blue")
     med = statistics.median(vals)
     ax.bar(i, med, color=color, alpha=0.6, hatch="//" if derived else None)
     ax.annotate(f"{med:.3g}", (i, med), ha="center", va="bottom", fontsize=8,
@@ -163,6 +167,52 @@ def histograms(doc: dict[str, Any], path: pathlib.Path, mode_order: list[str]) -
   return path
 
 
+def vs_llamacpp(doc: dict[str, Any], path: pathlib.Path, mode_order: list[str]) -> pathlib.Path:
+  """Each jspec mode's decode speedup over the llama.cpp peers: suite median bars, a dot per prompt.
+
+  Args:
+    doc: a finalized results document with llama.cpp records.
+    path: the PNG to write.
+    mode_order: modes in bar order (the jspec ones are drawn).
+
+  Returns:
+    path.
+  """
+  plt = _pyplot()
+  llama = [m for m in results.LLAMACPP_BASELINES if m in doc.get("summary", {})]
+  modes = [m for m in mode_order if m in doc.get("summary", {})
+           and any(e.get("modes", {}).get(m, {}).get("engine") == "jspec"
+                   for e in doc["prompts"].values())]
+  width = 0.8 / max(1, len(llama))
+  fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(modes) + 2), 5))
+  for j, (base, color) in enumerate(zip(llama, ("tab:olive", "tab:green"))):
+    field = f"decode_speedup_vs_{base}"
+    for i, mode in enumerate(modes):
+      vals = [e["modes"][mode].get(field) for e in doc["prompts"].values()
+              if mode in e.get("modes", {})]
+      vals = [v for v in vals if v is not None]
+      if not vals:
+        continue
+      x = i - 0.4 + width * (j + 0.5)
+      med = statistics.median(vals)
+      ax.bar(x, med, width, color=color, alpha=0.6, label=f"over {base}" if i == 0 else None)
+      ax.annotate(f"{med:.2f}", (x, med), ha="center", va="bottom", fontsize=7,
+                  xytext=(0, 2), textcoords="offset points")
+      ax.scatter([x] * len(vals), vals, color="black", s=8, zorder=3)
+  ax.axhline(1.0, color="grey", linewidth=0.8)
+  ax.set_xticks(range(len(modes)))
+  ax.set_xticklabels(modes, rotation=45, ha="right")
+  ax.set_ylabel("jspec decode tok/s over llama.cpp's")
+  ax.set_title("jspec over llama.cpp, the same GGUF files and prompts\ndecode tok/s, llama.cpp's "
+               "as it reports its eval speed; bars: median, dots: prompts", fontsize=9)
+  ax.legend(fontsize=8)
+  ax.grid(axis="y", alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
 def write_all(doc: dict[str, Any], json_path: pathlib.Path, mode_order: list[str]) -> list[str]:
   """Writes every plot beside the JSON file.
 
@@ -180,4 +230,6 @@ def write_all(doc: dict[str, Any], json_path: pathlib.Path, mode_order: list[str
          histograms(doc, pathlib.Path(f"{stem}.histograms.png"), mode_order)]
   if _spec_modes(doc):
     out.append(speedup_vs_gamma(doc, pathlib.Path(f"{stem}.speedup_vs_gamma.png")))
+  if any(m in doc.get("summary", {}) for m in results.LLAMACPP_BASELINES):
+    out.append(vs_llamacpp(doc, pathlib.Path(f"{stem}.vs_llamacpp.png"), mode_order))
   return [str(p) for p in out]

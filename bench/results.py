@@ -8,17 +8,24 @@ Layout (every figure of the run is in it):
   models        configs, parameter bytes, weight bytes read per forward, load time
   memory        peak RSS of the jspec process against both models' parameter bytes
   hf            the HF child: load times, versions, assistant settings, peak RSS
+  llamacpp      the llama.cpp peers: its build, GGUF files, threads, environment,
+                stopping rule; or {"skipped": reason} or an "error"
   prompts       name -> {kind, chat, prompt_ids, text, modes: {mode -> record}}
   gate          the correctness verdict: every jspec mode's greedy ids equal
                 jspec target-only's, per prompt
   hf_agreement  informative: HF target-only ids against jspec target-only ids
+  llamacpp_agreement  informative: llama.cpp's greedy text against jspec
+                target-only's, and its speculative text against its own target's
   summary       per mode, medians over the prompts (all, and by kind)
   targets       issue 6's CPU targets against this run's figures (informative)
   derived       (--random-weights) speculative figures derived from histograms
 
 Ratios are taken per prompt inside the run (a mode's tokens/s over the
 baseline's tokens/s on the same prompt) and then summarised by their median,
-so a slow prompt and a fast one weigh the same.
+so a slow prompt and a fast one weigh the same. Against the llama.cpp peers
+there are two: speedup_vs_llamacpp_<mode> (tokens/s, prefill + decode, by
+each engine's own clock) and decode_speedup_vs_llamacpp_<mode> (decode
+tokens/s, llama.cpp's as it reports its eval speed).
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ import statistics
 from typing import Any, Iterable, Optional
 
 SCHEMA = 1
-BASELINES = ("target", "hf_target", "hf_assisted")
+LLAMACPP_BASELINES = ("llamacpp_target", "llamacpp_spec")
+BASELINES = ("target", "hf_target", "hf_assisted") + LLAMACPP_BASELINES
 # Settings that must match for --resume to reuse records measured earlier.
 RESUME_KEYS = ("model", "target", "draft", "suite", "max_new_tokens", "reps", "dtype",
                "device", "stop_at_eos", "random_weights", "smoke")
@@ -219,6 +227,78 @@ def hf_agreement(doc: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
+LLAMACPP_RATIOS = tuple(f"{kind}speedup_vs_{base}" for base in LLAMACPP_BASELINES
+                        for kind in ("", "decode_"))
+EXCERPT_CHARS = 40  # of each text, from just before the first difference
+
+
+def text_diff(want: str, got: str, overshoot_ok: bool = False) -> dict[str, Any]:
+  """Where two greedy texts part, so a mismatch can be read without the whole texts.
+
+  Args:
+    want: the reference text.
+    got: the text compared with it.
+    overshoot_ok: `got` may run on past `want` (a speculative run's last
+      draft is not cut to the budget): equal when `want` is its prefix.
+
+  Returns:
+    {"equal", "first_diff_char" (None where equal), "excerpt_from" (the
+    character offset the excerpts start at, a few before the difference),
+    "expected" and "got" (up to EXCERPT_CHARS of each from there), "lengths"
+    ([chars of want, chars of got])}.
+  """
+  n = 0
+  for a, b in zip(want, got):
+    if a != b:
+      break
+    n += 1
+  equal = got.startswith(want) if overshoot_ok else got == want
+  start = max(0, n - 10)
+  return {"equal": equal, "first_diff_char": None if equal else n,
+          "excerpt_from": None if equal else start,
+          "expected": None if equal else want[start:start + EXCERPT_CHARS],
+          "got": None if equal else got[start:start + EXCERPT_CHARS],
+          "lengths": [len(want), len(got)]}
+
+
+def llamacpp_agreement(doc: dict[str, Any]) -> dict[str, Any]:
+  """llama.cpp's greedy texts against jspec target-only's and each other (informative, not a gate).
+
+  llama.cpp gives text, not ids: its target-alone text is compared with
+  jspec target-only's ids decoded up to their first EOS (llama.cpp stops
+  there; the text is "jspec_text" in the llama.cpp records), and its
+  speculative text with its target-alone text, which it may run past by
+  its last draft where the target did not stop at end of generation.
+  Quantized kernels of two implementations can flip a near-tie, after
+  which the texts part; the offset says how far they went together.
+
+  Args:
+    doc: the document.
+
+  Returns:
+    prompt -> {"llamacpp_target": `text_diff` against jspec,
+    "llamacpp_spec": `text_diff` against llamacpp_target (or, without
+    that record, against jspec)} (also stored in doc).
+  """
+  out: dict[str, Any] = {}
+  for name, entry in doc["prompts"].items():
+    records = entry.get("modes", {})
+    target, spec = records.get("llamacpp_target"), records.get("llamacpp_spec")
+    row = {}
+    if target is not None and target.get("jspec_text") is not None:
+      row["llamacpp_target"] = {"vs": "target", **text_diff(target["jspec_text"], target["text"])}
+    if spec is not None and target is not None:
+      row["llamacpp_spec"] = {"vs": "llamacpp_target", **text_diff(
+          target["text"], spec["text"], overshoot_ok=not target["stopped_at_eog"])}
+    elif spec is not None and spec.get("jspec_text") is not None:
+      row["llamacpp_spec"] = {"vs": "target", **text_diff(
+          spec["jspec_text"], spec["text"], overshoot_ok=not spec.get("jspec_reached_eos"))}
+    if row:
+      out[name] = row
+  doc["llamacpp_agreement"] = out
+  return out
+
+
 def _median(values: Iterable[Optional[float]]) -> Optional[float]:
   values = [v for v in values if v is not None and math.isfinite(v)]
   return float(statistics.median(values)) if values else None
@@ -241,6 +321,9 @@ def ratios(doc: dict[str, Any]) -> None:
   derived figures (--random-weights) gets its derived speedups inside
   record["derived"], beside the measured ones.
 
+  decode_speedup_vs_llamacpp_<mode> = the record's decode tokens/s over
+  that llama.cpp mode's (its reported eval tokens/s) on the same prompt.
+
   A target-only record timed again after the HF phase (record["after_hf"],
   `runner._target_after_hf`) also gets bracketed_tokens_per_s, the mean of
   its two times' tokens/s, an estimate of its speed while HF ran, and
@@ -262,6 +345,10 @@ def ratios(doc: dict[str, Any]) -> None:
         if "derived" in rec:
           rec["derived"][f"speedup_vs_{base}"] = _ratio(rec["derived"].get("tokens_per_s"),
                                                        base_tps)
+      for base in LLAMACPP_BASELINES:
+        base_rec = records.get(base)
+        rec[f"decode_speedup_vs_{base}"] = _ratio(
+            rec.get("decode_tokens_per_s"), base_rec.get("decode_tokens_per_s") if base_rec else None)
       if rec.get("achieved_gbs") is not None:
         rec["roofline_fraction"] = _ratio(rec["achieved_gbs"], bandwidth)
     base, hf = records.get("target"), records.get("hf_target")
@@ -296,7 +383,7 @@ def summary(doc: dict[str, Any], mode_order: list[str]) -> dict[str, Any]:
   fields = ("tokens_per_s", "decode_tokens_per_s", "speedup_vs_target", "speedup_vs_hf_target",
             "speedup_vs_hf_assisted", "acceptance_rate", "mean_tokens_per_round",
             "achieved_gbs", "roofline_fraction", "speedup_vs_hf_target_bracketed",
-            "paired_roofline_fraction")
+            "paired_roofline_fraction", "wall_tokens_per_s") + LLAMACPP_RATIOS
   out = {}
   for mode in mode_order:
     recs = [(e["kind"], e["modes"][mode]) for e in doc["prompts"].values()
@@ -315,15 +402,16 @@ def summary(doc: dict[str, Any], mode_order: list[str]) -> dict[str, Any]:
       row["by_kind"][kind] = {
           "prompts": len(sub),
           **{f: _median(value(r, f) for r in sub)
-             for f in ("tokens_per_s", "speedup_vs_target", "speedup_vs_hf_target",
-                       "speedup_vs_hf_assisted", "acceptance_rate")}}
+             for f in ("tokens_per_s", "decode_tokens_per_s", "speedup_vs_target",
+                       "speedup_vs_hf_target", "speedup_vs_hf_assisted", "acceptance_rate")
+             + LLAMACPP_RATIOS}}
     out[mode] = row
   doc["summary"] = out
   return out
 
 
 def finalize(doc: dict[str, Any], mode_order: list[str]) -> None:
-  """Recomputes everything derived from the records: ratios, gate, HF agreement, summary.
+  """Recomputes everything derived from the records: ratios, gate, HF and llama.cpp agreement, summary.
 
   Args:
     doc: the document (changed in place).
@@ -332,6 +420,7 @@ def finalize(doc: dict[str, Any], mode_order: list[str]) -> None:
   ratios(doc)
   gate(doc)
   hf_agreement(doc)
+  llamacpp_agreement(doc)
   summary(doc, mode_order)
   targets(doc)
 

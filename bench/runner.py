@@ -1,9 +1,10 @@
-"""The whole run: bandwidth, the jspec phase, the HF phase, the verdicts, JSON, tables, plots.
+"""The whole run: bandwidth, the jspec phase, the peers' phases, the verdicts, JSON, tables, plots.
 
 Order and memory: the jspec process loads the pair and measures every jspec
 mode on every prompt, writing the JSON after each record; then it releases
-the weights and the HF peers run in a child process, whose records are
-merged as they arrive. Each mode's compiled programs are released as soon as
+the weights, llama.cpp's tools run on the same GGUF files (one process per
+generation, where they are built), and the HF peers run in a child process,
+whose records are merged as they arrive. Each mode's compiled programs are released as soon as
 it is measured, so the peak RSS is the weights plus one mode's programs. A
 run that dies leaves a usable JSON; `--resume` continues it, measuring only
 the records it lacks.
@@ -22,6 +23,7 @@ from typing import Any, Optional
 from bench import derive
 from bench import engine
 from bench import finalize
+from bench import llamacpp
 from bench import machine
 from bench import memory
 from bench import models
@@ -34,6 +36,7 @@ from bench import results
 from jspec import distill_data
 from jspec import options as options_lib
 from jspec import programs
+from jspec import tokenizer as tokenizer_lib
 
 
 class UsageError(ValueError):
@@ -73,7 +76,7 @@ def _settings(opts, chosen, prompt_list) -> dict[str, Any]:
                         "EOS disabled on both sides (jspec stop_at_eos=False, HF "
                         "eos_token_id=None): every generation is max_new_tokens long"),
       "random_weights": opts.random_weights, "smoke": opts.smoke,
-      "histograms": opts.histograms, "hf": not opts.no_hf,
+      "histograms": opts.histograms, "hf": not opts.no_hf, "llamacpp": not opts.no_llamacpp,
       "allow_mismatch": opts.allow_mismatch,
   }
 
@@ -294,6 +297,120 @@ def _hf_phase(opts, doc, out, chosen, prompt_list, order) -> list[str]:
   return measured
 
 
+# llama.cpp's OpenMP threads otherwise spin, which on a machine shared with
+# other work slowed 2 threads below 1 (`bench.llamacpp.generate`).
+LLAMACPP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+LLAMACPP_TIMEOUT_S = 900  # per llama.cpp process
+
+
+def _llamacpp_skip_reason(doc: dict[str, Any], tools: Optional[llamacpp.Tools]) -> Optional[str]:
+  """Why the llama.cpp peers cannot run in this run, in one line, or None when they can.
+
+  Args:
+    doc: the document (its "models" recorded by the jspec phase).
+    tools: `llamacpp.find_built()`.
+
+  Returns:
+    The reason, or None.
+  """
+  source = doc.get("models", {}).get("hf_source") or {}
+  if source.get("kind") != "gguf":
+    return (f"llama.cpp runs GGUF files, and this run's models are not a GGUF pair "
+            f"({doc.get('models', {}).get('source', 'unknown source')})")
+  if tools is None:
+    return (f"llama.cpp's tools are not built on this host; `{llamacpp.BUILD_COMMAND}` builds "
+            "them once (about 10 minutes), and a bench run never builds them")
+  return None
+
+
+def _eos_cut(ids: list[int], eos: list[int]) -> tuple[list[int], bool]:
+  """The ids before the first EOS id, and whether there was one (llama.cpp stops there)."""
+  for i, t in enumerate(ids):
+    if t in eos:
+      return ids[:i], True
+  return ids, False
+
+
+def _llamacpp_phase(opts, doc, out, chosen, prompt_list, order) -> None:
+  """Runs the llama.cpp peers on every prompt that lacks one of their records.
+
+  They run on the GGUF files jspec loaded, with the prompt text jspec
+  tokenized (`llamacpp.prompt_text`), max_new_tokens and reps as jspec's
+  modes; llama.cpp always stops at end of generation, so its text is
+  compared with jspec target-only's up to its first EOS. Never builds
+  llama.cpp: where its tools are not built, or the models are no GGUF pair,
+  doc["llamacpp"] says why and nothing runs.
+
+  Args:
+    opts: the run's options.
+    doc: the document (records are added and it is written after each prompt).
+    out: the results path.
+    chosen: the run's modes.
+    prompt_list: the run's prompts.
+    order: mode names in report order.
+  """
+  lmodes = [m for m in chosen if m.engine == "llamacpp"]
+  todo = [p for p in prompt_list if p.name in doc["prompts"]
+          and any(not results.has(doc, p.name, m.name) for m in lmodes)]
+  if not lmodes or not todo:
+    return
+  tools = llamacpp.find_built()
+  reason = _llamacpp_skip_reason(doc, tools)
+  if reason is not None:
+    _log(f"skipping the llama.cpp peers: {reason}")
+    doc.setdefault("llamacpp", {})["skipped"] = reason  # what an earlier run recorded stays
+    return
+  source = doc["models"]["hf_source"]
+  eos = list(doc["models"].get("eos_token_ids") or [])
+  info = doc.setdefault("llamacpp", {})
+  info.pop("skipped", None)
+  info.pop("error", None)
+  info.update({
+      "version": tools.version, "tools": str(tools.root), "build": llamacpp.manifest(tools),
+      "target": source["target"], "draft": source["draft"], "env": dict(LLAMACPP_ENV),
+      "modes": {m.name: dict(m.kwargs) for m in lmodes}, "timeout_s": LLAMACPP_TIMEOUT_S,
+      "stopping_rule": "llama.cpp stops at end of generation whatever --stop-at-eos says; its "
+                       "text is compared with jspec target-only's ids up to their first EOS id",
+      "timing": "tokens_per_s: prefill + decode by llama.cpp's own timings (model loading "
+                "excluded); decode_tokens_per_s: its reported eval (or decode) tokens/s; "
+                "wall_tokens_per_s: over the whole process, loading included"})
+  try:
+    tok = tokenizer_lib.from_gguf(source["target"])
+  except tokenizer_lib.TokenizerError as e:
+    info["error"] = str(e)
+    _log(f"the llama.cpp peers did not run: {e}")
+    return
+  _log(f"llama.cpp peers ({', '.join(m.name for m in lmodes)}) on {len(todo)} prompts, "
+       f"tools in {tools.root}")
+  for p in todo:
+    entry = doc["prompts"][p.name]
+    want = {m.name: m.kwargs for m in lmodes if not results.has(doc, p.name, m.name)}
+    try:
+      recs = llamacpp.peer_records(tools, source["target"], source["draft"],
+                                   llamacpp.prompt_text(p, tok), opts.max_new_tokens, opts.reps,
+                                   want, LLAMACPP_ENV, LLAMACPP_TIMEOUT_S)
+    except (llamacpp.LlamaCppError, ValueError) as e:  # keep the records measured so far
+      info["error"] = f"{p.name}: {e}"
+      _log(f"the llama.cpp peers failed on {p.name}: {e}")
+      results.write(doc, out)
+      break
+    target = entry.get("modes", {}).get("target")
+    for name, rec in recs.items():
+      ids = rec.pop("prompt_token_ids")
+      if ids is not None:
+        rec["prompt_ids_equal"] = ids == entry["prompt_ids"]
+      if target is not None:
+        cut, reached = _eos_cut(target["token_ids"], eos)
+        rec["jspec_text"], rec["jspec_reached_eos"] = tok.decode(cut), reached
+      results.put(doc, p.name, name, rec)
+      base = target.get("decode_tokens_per_s") if target else None
+      _log(f"[llama.cpp] {p.name} {name}: {_fmt_ratio(rec['decode_tokens_per_s'])} decode tok/s "
+           f"(jspec target-only {_fmt_ratio(base)}), {_fmt_ratio(rec['wall_tokens_per_s'])} "
+           f"over the whole process")
+    results.finalize(doc, order)
+    results.write(doc, out)
+
+
 def _target_after_hf(opts, doc, out, chosen, measured, order) -> None:
   """Times jspec target-only again after the HF phase, on the prompts HF target-only ran.
 
@@ -376,9 +493,11 @@ def run(opts: argparse.Namespace, argv: Optional[list[str]] = None) -> int:
   start = time.perf_counter()
   all_modes = modes_lib.all_modes(opts.gammas, opts.adaptive_gamma_max, opts.min_confidence,
                                   opts.lookup_gamma, opts.ngram, opts.float_draft,
-                                  opts.lookup_model_gamma_max)
+                                  opts.lookup_model_gamma_max, opts.llamacpp_draft_max,
+                                  opts.llamacpp_threads)
   try:
-    chosen = modes_lib.select(all_modes, opts.modes, hf=not opts.no_hf)
+    chosen = modes_lib.select(all_modes, opts.modes, hf=not opts.no_hf,
+                              llamacpp=not opts.no_llamacpp)
     for m in chosen:  # a bad option fails here, before anything is loaded
       if m.engine == "jspec":
         options_lib.make(max_new_tokens=opts.max_new_tokens, stop_at_eos=opts.stop_at_eos,
@@ -419,6 +538,8 @@ def run(opts: argparse.Namespace, argv: Optional[list[str]] = None) -> int:
   ok = _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order)
   lap("jspec")
   if ok:
+    _llamacpp_phase(opts, doc, out, chosen, prompt_list, order)
+    lap("llamacpp")
     measured = _hf_phase(opts, doc, out, chosen, prompt_list, order)
     lap("hf")
     _target_after_hf(opts, doc, out, chosen, measured, order)

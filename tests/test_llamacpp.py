@@ -208,7 +208,12 @@ if mode.startswith("cut"):  # "cutN": the first N runs lose their last lines, as
     sys.stderr.write("generate: n_ctx = 512, n_batch = 2048, n_predict = 8, n_keep = 0\n")
     sys.exit(0)
 n = int(opt("-n"))
-eog = mode == "eog"
+# FAKE_LLAMA_TEXTS: a JSON file, prompt -> {"target": text, "spec": text, "eog": bool}, for
+# the bench's peer phase (its texts are compared with jspec's); other prompts make " t0 t1 ...".
+texts = (json.loads(pathlib.Path(os.environ["FAKE_LLAMA_TEXTS"]).read_text())
+         if os.environ.get("FAKE_LLAMA_TEXTS") else {})
+given = texts.get(prompt.decode("utf-8"))
+eog = mode == "eog" or bool(given and given.get("eog"))
 out, err = sys.stdout.write, sys.stderr.write
 P = "0.09.588.819 I "  # the time-and-level prefix of this version's log lines
 if name == "llama-completion":
@@ -216,7 +221,8 @@ if name == "llama-completion":
   err(f"{P}llama_completion: number of tokens in prompt = {len(prompt)}\n")
   for b in prompt:
     err(f"{P}{b:6d} -> '{chr(b)}'\n")
-  out("".join(f" t{i}" for i in range(made)) + (" [end of text]\n" if eog else "") + "\n\n")
+  text = given["target"] if given else "".join(f" t{i}" for i in range(made))
+  out(text + (" [end of text]\n" if eog else "") + "\n\n")
   samples = len(prompt) + made + eog  # like the real tool: the prompt's tokens count too
   err(f"{P}common_perf_print:    sampling time =       1.00 ms\n"
       f"{P}common_perf_print:    samplers time =       0.50 ms / {samples:5d} tokens\n"
@@ -232,7 +238,8 @@ else:
   # Like the real tool: more than -n tokens, here two more than the least.
   made = 2 if eog else n + 3
   speed = 500.0 if draft_max == 4 else 50.0 + draft_max
-  out("\n\n" + prompt.decode("utf-8") + "".join(f" t{i}" for i in range(made)) + "\n\n")
+  text = given["spec"] if given else "".join(f" t{i}" for i in range(made))
+  out("\n\n" + prompt.decode("utf-8") + text + "\n\n")
   err(f"{P}encoded {len(prompt):4d} tokens in    0.100 seconds, speed:  100.000 t/s\n"
       f"{P}decoded {made + eog:4d} tokens in    1.000 seconds, speed: {speed:8.3f} t/s\n{P}\n"
       f"{P}n_draft   = {draft_max}\n{P}n_predict = {made + eog}\n{P}n_drafted = 12\n"
@@ -659,3 +666,203 @@ def test_real_tools_greedy_target_and_speculative_agree(real_tools, tiny_gguf):
   assert llamacpp.texts_agree(target, spec) and spec["n_tokens"] >= target["n_tokens"]
   assert spec["speculative"]["n_drafted"] >= spec["speculative"]["n_accept"] > 0
   assert target["tok_s_reported"] is None or target["tok_s_reported"] > 0
+
+
+# --- llama.cpp as a peer in `python -m bench` (the fake tools above) ------------------------
+
+
+@pytest.fixture
+def vocab_gguf(tmp_path, write_gguf):
+  """A vocabulary-only GGUF: the peer phase reads its tokenizer; the fake tools never open it."""
+  return write_gguf(tmp_path / "pair.gguf")
+
+
+def _peer_run(tmp_path, gguf, modes="target,spec_g2,llamacpp", reps=2, draft_max=8):
+  """A bench document as the jspec phase leaves it, on two code prompts of the tiny vocabulary.
+
+  Returns:
+    (opts, doc, out, chosen, prompt list, mode order, tokenizer, jspec target texts by prompt).
+  """
+  from bench import __main__ as bench_main
+  from bench import modes as modes_lib
+  from bench import results
+  from bench import runner
+  from jspec import tokenizer as tokenizer_lib
+  opts = bench_main._defaults(bench_main.build_parser().parse_args(  # pylint: disable=protected-access
+      ["--modes", modes, "--gammas", "2", "--reps", str(reps), "--max-new-tokens", "6",
+       "--llamacpp-draft-max", str(draft_max), "--out", str(tmp_path / "run.json")]))
+  every = modes_lib.all_modes(opts.gammas, 8, 0.5, 4, 3, llamacpp_draft_max=draft_max)
+  chosen = modes_lib.select(every, opts.modes, llamacpp=not opts.no_llamacpp)
+  tok = tokenizer_lib.from_gguf(gguf)
+  prompt_list = [prompts_lib.Prompt("one", "code", "def one():\n"),
+                 prompts_lib.Prompt("two", "edit", "def the(x):\n")]
+  eos = tok.eos_token_ids
+  # "one" reaches EOS after its text (llama.cpp stops there); "two" runs to the budget.
+  ids = {"one": tok.encode("  return 1\n") + [eos[0]] + tok.encode("junk"),
+         "two": tok.encode("  return x + 12")}
+  doc = results.new(runner._settings(opts, chosen, prompt_list))  # pylint: disable=protected-access
+  doc["models"] = {"source": f"paths: target {gguf}, draft {gguf}", "eos_token_ids": eos,
+                   "hf_source": {"kind": "gguf", "target": str(gguf), "draft": str(gguf)}}
+  for p, speed in zip(prompt_list, (1.0, 2.0)):
+    doc["prompts"][p.name] = {"kind": p.kind, "chat": p.chat, "text": p.text,
+                              "prompt_ids": tok.encode(p.text), "modes": {
+        "target": {"engine": "jspec", "token_ids": ids[p.name], "tokens_per_s": 10.0 * speed,
+                   "decode_tokens_per_s": 20.0 * speed},
+        "spec_g2": {"engine": "jspec", "token_ids": ids[p.name], "tokens_per_s": 15.0 * speed,
+                    "decode_tokens_per_s": 29.0 * speed}}}
+  order = [m.name for m in chosen]
+  texts = {"one": "  return 1\n", "two": "  return x + 12"}
+  return opts, doc, tmp_path / "run.json", chosen, prompt_list, order, tok, texts
+
+
+def _texts_file(tmp_path, monkeypatch, mapping):
+  path = tmp_path / "texts.json"
+  path.write_text(json.dumps(mapping))
+  monkeypatch.setenv("FAKE_LLAMA_TEXTS", str(path))
+
+
+def test_bench_peer_phase_records_ratios_and_texts(fake_tools, vocab_gguf, tmp_path,
+                                                   monkeypatch):
+  from bench import report
+  from bench import runner
+  tools, calls = fake_tools
+  monkeypatch.setattr(llamacpp, "find_built", lambda cache_dir=None: tools)
+  opts, doc, out, chosen, prompt_list, order, _, texts = _peer_run(tmp_path, vocab_gguf)
+  # "one": llama.cpp stops at end of generation where jspec's ids reach EOS, the same text;
+  # "two": its text parts from jspec's at char 11; its speculative text runs on past its own.
+  _texts_file(tmp_path, monkeypatch, {
+      "def one():\n": {"target": texts["one"], "spec": texts["one"], "eog": True},
+      "def the(x):\n": {"target": "  return x - 12", "spec": "  return x - 12 + 3"}})
+  runner._llamacpp_phase(opts, doc, out, chosen, prompt_list, order)  # pylint: disable=protected-access
+  assert [m.name for m in chosen] == ["target", "spec_g2", "llamacpp_target", "llamacpp_spec"]
+  made = calls()
+  # Two repetitions of each mode per prompt, alternating; the prompt text as jspec's.
+  assert [c["name"] for c in made] == ["llama-completion", "llama-speculative-simple"] * 4
+  assert [c["prompt"] for c in made[::2]] == ["def one():\n"] * 2 + ["def the(x):\n"] * 2
+  assert {_value(c["argv"], "--spec-draft-n-max") for c in made[1::2]} == {"8"}
+  assert {_value(c["argv"], "-t") for c in made} == {"2"} and {c["omp"] for c in made} == {"PASSIVE"}
+  assert {_value(c["argv"], "-n") for c in made[::2]} == {"6"}  # jspec's max_new_tokens
+  saved = json.loads(out.read_text())
+  assert saved["llamacpp"]["target"] == str(vocab_gguf) and "skipped" not in saved["llamacpp"]
+  one, two = (saved["prompts"][p]["modes"] for p in ("one", "two"))
+  lt = two["llamacpp_target"]
+  assert lt["engine"] == "llamacpp" and lt["text"] == "  return x - 12" and len(lt["reps"]) == 2
+  assert lt["decode_tokens_per_s"] == 25.0 and lt["tokens_per_s"] == pytest.approx(6 / 0.15, 1e-3)
+  assert two["llamacpp_spec"]["decode_tokens_per_s"] == 58.0  # the fake's speed at draft_max 8
+  assert lt["jspec_text"] == texts["two"] and not lt["jspec_reached_eos"]
+  assert one["llamacpp_target"]["jspec_text"] == texts["one"]  # cut at jspec's first EOS
+  assert one["llamacpp_target"]["jspec_reached_eos"] and one["llamacpp_target"]["stopped_at_eog"]
+  # llama.cpp's prompt ids (bytes, in the fake) against jspec's: "the" is one merge in the vocab.
+  assert one["llamacpp_target"]["prompt_ids_equal"] and not lt["prompt_ids_equal"]
+  # Ratios: jspec over each llama.cpp mode, per prompt and as medians per kind.
+  spec = two["spec_g2"]
+  assert spec["decode_speedup_vs_llamacpp_target"] == pytest.approx(58.0 / 25.0)
+  assert spec["decode_speedup_vs_llamacpp_spec"] == pytest.approx(58.0 / 58.0)
+  assert spec["speedup_vs_llamacpp_target"] == pytest.approx(30.0 / lt["tokens_per_s"])
+  assert one["target"]["decode_speedup_vs_llamacpp_target"] == pytest.approx(20.0 / 25.0)
+  summary = saved["summary"]
+  assert summary["spec_g2"]["decode_speedup_vs_llamacpp_target"] == pytest.approx(
+      (29.0 / 25.0 + 58.0 / 25.0) / 2)
+  assert summary["spec_g2"]["by_kind"]["edit"]["decode_speedup_vs_llamacpp_spec"] == \
+      pytest.approx(1.0)
+  assert summary["llamacpp_spec"]["decode_tokens_per_s"] == 58.0
+  # Texts: equal on "one"; on "two" where they part, with a piece of each.
+  agree = saved["llamacpp_agreement"]
+  assert agree["one"]["llamacpp_target"]["equal"] and agree["one"]["llamacpp_spec"]["equal"]
+  bad = agree["two"]["llamacpp_target"]
+  assert (bad["equal"], bad["first_diff_char"], bad["excerpt_from"]) == (False, 11, 1)
+  assert bad["expected"] == " return x + 12" and bad["got"] == " return x - 12"
+  assert agree["two"]["llamacpp_spec"]["equal"]  # its target's text, run on past the budget
+  assert saved["gate"]["passed"]  # informative, not the gate
+  text = report.render(saved, order)
+  assert "llama.cpp target-only text equals jspec target-only's" in text and "1/2 prompts" in text
+  assert "two: they part at char 11" in text and "no@11" in text
+  assert "x lcpp dec" in text and "x lcpp+spec" in text
+  from bench import plots
+  written = plots.write_all(saved, out, order)
+  assert str(tmp_path / "run.vs_llamacpp.png") in written
+  with open(tmp_path / "run.vs_llamacpp.png", "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_peer_phase_resumes_and_skips_with_reasons(fake_tools, vocab_gguf, tmp_path,
+                                                        monkeypatch):
+  from bench import runner
+  tools, calls = fake_tools
+  built = {"tools": None}
+  monkeypatch.setattr(llamacpp, "find_built", lambda cache_dir=None: built["tools"])
+  opts, doc, out, chosen, prompt_list, order, _, _ = _peer_run(tmp_path, vocab_gguf, reps=1)
+  # Not built: one line naming the command that builds them; nothing runs.
+  runner._llamacpp_phase(opts, doc, out, chosen, prompt_list, order)  # pylint: disable=protected-access
+  assert llamacpp.BUILD_COMMAND in doc["llamacpp"]["skipped"] and calls() == []
+  assert "\n" not in doc["llamacpp"]["skipped"]
+  built["tools"] = tools
+  runner._llamacpp_phase(opts, doc, out, chosen, prompt_list, order)  # pylint: disable=protected-access
+  assert len(calls()) == 4 and "skipped" not in doc["llamacpp"]
+  first = json.loads(out.read_text())
+  # Resumed: a prompt's records are kept; only the missing one is measured.
+  del doc["prompts"]["two"]["modes"]["llamacpp_spec"]
+  runner._llamacpp_phase(opts, doc, out, chosen, prompt_list, order)  # pylint: disable=protected-access
+  assert [c["name"] for c in calls()[4:]] == ["llama-speculative-simple"]
+  assert doc["prompts"]["one"]["modes"]["llamacpp_target"] == \
+      first["prompts"]["one"]["modes"]["llamacpp_target"]
+  runner._llamacpp_phase(opts, doc, out, chosen, prompt_list, order)  # pylint: disable=protected-access
+  assert len(calls()) == 5
+  # Models that are no GGUF pair (smoke, random weights, HF directories) skip with their source.
+  doc["models"] = {"source": "smoke: tiny random models", "hf_source": {"kind": "random"}}
+  del doc["prompts"]["one"]["modes"]["llamacpp_target"]
+  runner._llamacpp_phase(opts, doc, out, chosen, prompt_list, order)  # pylint: disable=protected-access
+  assert doc["llamacpp"]["skipped"] == ("llama.cpp runs GGUF files, and this run's models are "
+                                        "not a GGUF pair (smoke: tiny random models)")
+  assert len(calls()) == 5
+
+
+def test_bench_peer_phase_keeps_finished_prompts_when_llamacpp_fails(fake_tools, vocab_gguf,
+                                                                    tmp_path, monkeypatch):
+  from bench import runner
+  tools, _ = fake_tools
+  monkeypatch.setattr(llamacpp, "find_built", lambda cache_dir=None: tools)
+  opts, doc, out, chosen, prompt_list, order, _, _ = _peer_run(tmp_path, vocab_gguf, reps=1)
+  real = llamacpp.generate
+
+  def failing(tools, model, text, *args, **kwargs):
+    if "the" in text:
+      raise llamacpp.LlamaCppError("llama-completion exited with 1: boom")
+    return real(tools, model, text, *args, **kwargs)
+
+  monkeypatch.setattr(llamacpp, "generate", failing)
+  runner._llamacpp_phase(opts, doc, out, chosen, prompt_list, order)  # pylint: disable=protected-access
+  saved = json.loads(out.read_text())
+  assert saved["llamacpp"]["error"] == "two: llama-completion exited with 1: boom"
+  assert "llamacpp_spec" in saved["prompts"]["one"]["modes"]
+  assert "llamacpp_target" not in saved["prompts"]["two"]["modes"]
+
+
+def test_bench_selects_the_llamacpp_peers_and_refuses_bad_settings(capsys):
+  from bench import __main__ as bench_main
+  from bench import modes as modes_lib
+  every = modes_lib.all_modes([2], 8, 0.5, 4, 3, llamacpp_draft_max=5, llamacpp_threads=3)
+  names = lambda spec, **kw: [m.name for m in modes_lib.select(every, spec, **kw)]
+  assert names("llamacpp") == ["target", "llamacpp_target", "llamacpp_spec"]
+  assert names("llamacpp_spec,hf", llamacpp=False) == ["target", "hf_target", "hf_assisted"]
+  assert "llamacpp_target" in names(None) and "llamacpp_spec" not in names(None, llamacpp=False)
+  spec = {m.name: m for m in every}["llamacpp_spec"]
+  assert modes_lib.describe(spec) == {"engine": "llamacpp", "group": "llamacpp", "gamma": None,
+                                      "threads": 3, "draft_max": 5}
+  for argv in (["--llamacpp-draft-max", "0"], ["--llamacpp-draft-max", "x"],
+               ["--llamacpp-threads", "0"]):
+    with pytest.raises(SystemExit) as e:
+      bench_main.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m bench: error: argument --llamacpp-")
+
+
+def test_main_build_only_builds_and_runs_nothing(monkeypatch, capsys, tmp_path):
+  built = []
+  monkeypatch.setattr(llamacpp, "build", lambda **kw: built.append(kw) or llamacpp.Tools(
+      tmp_path, *(tmp_path / n for n in llamacpp.TARGETS)))
+  monkeypatch.setattr(llamacpp, "run_suite", lambda *a, **k: pytest.fail("ran the suite"))
+  assert llamacpp.main(llamacpp.BUILD_COMMAND.split()[3:]) == 0
+  assert built == [{"progress": True, "jobs": None}]
+  assert str(tmp_path) in capsys.readouterr().out
