@@ -695,7 +695,7 @@ def _peer_run(tmp_path, gguf, modes="target,spec_g2,llamacpp", reps=2, draft_max
   chosen = modes_lib.select(every, opts.modes, llamacpp=not opts.no_llamacpp)
   tok = tokenizer_lib.from_gguf(gguf)
   prompt_list = [prompts_lib.Prompt("one", "code", "def one():\n"),
-                 prompts_lib.Prompt("two", "edit", "def the(x):\n")]
+                 prompts_lib.Prompt("two", "edit", "def the(x):\n", chat=True)]
   eos = tok.eos_token_ids
   # "one" reaches EOS after its text (llama.cpp stops there); "two" runs to the budget.
   ids = {"one": tok.encode("  return 1\n") + [eos[0]] + tok.encode("junk"),
@@ -705,7 +705,7 @@ def _peer_run(tmp_path, gguf, modes="target,spec_g2,llamacpp", reps=2, draft_max
                    "hf_source": {"kind": "gguf", "target": str(gguf), "draft": str(gguf)}}
   for p, speed in zip(prompt_list, (1.0, 2.0)):
     doc["prompts"][p.name] = {"kind": p.kind, "chat": p.chat, "text": p.text,
-                              "prompt_ids": tok.encode(p.text), "modes": {
+                              "prompt_ids": prompts_lib.encode(p, tok), "modes": {
         "target": {"engine": "jspec", "token_ids": ids[p.name], "tokens_per_s": 10.0 * speed,
                    "decode_tokens_per_s": 20.0 * speed},
         "spec_g2": {"engine": "jspec", "token_ids": ids[p.name], "tokens_per_s": 15.0 * speed,
@@ -727,18 +727,20 @@ def test_bench_peer_phase_records_ratios_and_texts(fake_tools, vocab_gguf, tmp_p
   from bench import runner
   tools, calls = fake_tools
   monkeypatch.setattr(llamacpp, "find_built", lambda cache_dir=None: tools)
-  opts, doc, out, chosen, prompt_list, order, _, texts = _peer_run(tmp_path, vocab_gguf)
+  opts, doc, out, chosen, prompt_list, order, tok, texts = _peer_run(tmp_path, vocab_gguf)
   # "one": llama.cpp stops at end of generation where jspec's ids reach EOS, the same text;
   # "two": its text parts from jspec's at char 11; its speculative text runs on past its own.
+  chat = llamacpp.prompt_text(prompt_list[1], tok)  # through the GGUF's chat template
   _texts_file(tmp_path, monkeypatch, {
       "def one():\n": {"target": texts["one"], "spec": texts["one"], "eog": True},
-      "def the(x):\n": {"target": "  return x - 12", "spec": "  return x - 12 + 3"}})
+      chat: {"target": "  return x - 12", "spec": "  return x - 12 + 3"}})
   runner._llamacpp_phase(opts, doc, out, chosen, prompt_list, order)  # pylint: disable=protected-access
   assert [m.name for m in chosen] == ["target", "spec_g2", "llamacpp_target", "llamacpp_spec"]
   made = calls()
   # Two repetitions of each mode per prompt, alternating; the prompt text as jspec's.
   assert [c["name"] for c in made] == ["llama-completion", "llama-speculative-simple"] * 4
-  assert [c["prompt"] for c in made[::2]] == ["def one():\n"] * 2 + ["def the(x):\n"] * 2
+  assert [c["prompt"] for c in made] == ["def one():\n"] * 4 + [chat] * 4
+  assert chat.startswith("<|im_start|>user\ndef the(x):\n<|im_end|>")
   assert {_value(c["argv"], "--spec-draft-n-max") for c in made[1::2]} == {"8"}
   assert {_value(c["argv"], "-t") for c in made} == {"2"} and {c["omp"] for c in made} == {"PASSIVE"}
   assert {_value(c["argv"], "-n") for c in made[::2]} == {"6"}  # jspec's max_new_tokens
@@ -838,9 +840,11 @@ def test_bench_peer_phase_keeps_finished_prompts_when_llamacpp_fails(fake_tools,
   assert "llamacpp_target" not in saved["prompts"]["two"]["modes"]
 
 
-def test_bench_selects_the_llamacpp_peers_and_refuses_bad_settings(capsys):
+def test_bench_selects_the_llamacpp_peers_and_refuses_bad_settings(capsys, monkeypatch):
   from bench import __main__ as bench_main
   from bench import modes as modes_lib
+  from bench import runner
+  monkeypatch.setattr(runner, "run", lambda *a, **k: pytest.fail("a bad setting reached the run"))
   every = modes_lib.all_modes([2], 8, 0.5, 4, 3, llamacpp_draft_max=5, llamacpp_threads=3)
   names = lambda spec, **kw: [m.name for m in modes_lib.select(every, spec, **kw)]
   assert names("llamacpp") == ["target", "llamacpp_target", "llamacpp_spec"]
@@ -866,3 +870,52 @@ def test_main_build_only_builds_and_runs_nothing(monkeypatch, capsys, tmp_path):
   assert llamacpp.main(llamacpp.BUILD_COMMAND.split()[3:]) == 0
   assert built == [{"progress": True, "jobs": None}]
   assert str(tmp_path) in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_runs_llamacpp_beside_jspec_on_a_gguf_pair_and_resumes(fake_tools, tiny_gguf,
+                                                                    tmp_path, monkeypatch,
+                                                                    capsys):
+  # `python -m bench` end to end on a tiny GGUF pair, with the fake tools as llama.cpp's.
+  from bench import __main__ as bench_main
+  tools, calls = fake_tools
+  monkeypatch.setattr(llamacpp, "find_built", lambda cache_dir=None: tools)
+  out = tmp_path / "gguf.json"
+  args = ["--target", str(tiny_gguf), "--draft", str(tiny_gguf), "--prompts", "quicksort",
+          "--modes", "target,spec_g2,llamacpp", "--gammas", "2", "--max-new-tokens", "8",
+          "--reps", "1", "--no-hf", "--llamacpp-draft-max", "3",
+          "--bandwidth-bytes", str(16 << 20), "--out", str(out)]
+  assert bench_main.main(args) == 0
+  doc = json.loads(out.read_text())
+  entry = doc["prompts"]["quicksort"]
+  assert set(entry["modes"]) == {"target", "spec_g2", "llamacpp_target", "llamacpp_spec"}
+  assert [c["prompt"] for c in calls()] == [entry["text"]] * 2
+  assert _value(calls()[1]["argv"], "--spec-draft-n-max") == "3"
+  assert doc["llamacpp"]["draft"] == str(tiny_gguf) and "llamacpp" in doc["runs"][-1]["phases_s"]
+  assert doc["settings"]["mode_args"]["llamacpp_spec"]["draft_max"] == 3
+  assert entry["modes"]["spec_g2"]["decode_speedup_vs_llamacpp_target"] is not None
+  assert doc["summary"]["spec_g2"]["decode_speedup_vs_llamacpp_spec"] is not None
+  # The fake's " t0 t1 ..." is not the random model's text: reported, not a failure.
+  mismatch = doc["llamacpp_agreement"]["quicksort"]["llamacpp_target"]
+  assert not mismatch["equal"] and mismatch["got"].startswith(" t0 t1")
+  assert any(p.endswith(".vs_llamacpp.png") for p in doc["plots"])
+  printed = capsys.readouterr().out
+  assert "quicksort: they part at char" in printed and "x lcpp+spec dec" in printed
+  # Resumed with llama.cpp's records gone and a fake that now writes jspec's text: only
+  # llama.cpp runs again (jspec's records are kept), and the texts agree.
+  jspec_text = entry["modes"]["llamacpp_target"]["jspec_text"]
+  _texts_file(tmp_path, monkeypatch, {entry["text"]: {"target": jspec_text, "spec": jspec_text}})
+  for mode in ("llamacpp_target", "llamacpp_spec"):
+    del entry["modes"][mode]
+  out.write_text(json.dumps(doc))
+  assert bench_main.main(args + ["--resume"]) == 0
+  again = json.loads(out.read_text())
+  assert again["prompts"]["quicksort"]["modes"]["spec_g2"]["reps"] == entry["modes"]["spec_g2"]["reps"]
+  assert again["llamacpp_agreement"]["quicksort"]["llamacpp_target"]["equal"]
+  assert again["llamacpp_agreement"]["quicksort"]["llamacpp_spec"]["equal"]
+  assert len(calls()) == 4 and len(again["runs"]) == 2
+  # Once more: every record is there, nothing runs.
+  assert bench_main.main(args + ["--resume"]) == 0
+  assert len(calls()) == 4
+  assert json.loads(out.read_text())["prompts"]["quicksort"]["modes"]["llamacpp_target"] == \
+      again["prompts"]["quicksort"]["modes"]["llamacpp_target"]
