@@ -1244,10 +1244,16 @@ def _order(n: int, seed: int, epoch: int) -> np.ndarray:
 
 
 def _split(data: Data, fraction: float) -> tuple[np.ndarray, np.ndarray]:
-  """(training, held-out) sequence indices: held out by prompt hash, so stable across runs."""
+  """(training, held-out) sequence indices: held out by prompt hash, so stable across runs.
+
+  The score is a hash of the prompt's hash, not the hash itself: the
+  built-in prompts are ordered by their hash, so a prefix of them (a
+  smaller set) has small hashes only, and would all fall below `fraction`.
+  """
   if fraction <= 0 or len(data) < 2:
     return np.arange(len(data)), np.zeros((0,), np.int64)
-  scores = np.array([int(h[:8], 16) / 16**8 for h in data.hashes])
+  scores = np.array([int(hashlib.sha256(f"held-out:{h}".encode()).hexdigest()[:8], 16) / 16**8
+                     for h in data.hashes])
   held = scores < fraction
   if held.all():
     held[np.argmax(scores)] = False

@@ -306,6 +306,25 @@ def test_training_prompts_are_not_evaluation_prompts():
   assert [p.text for p in kept] == ["Write a limerick about tea."]
 
 
+def test_a_prefix_of_the_training_set_holds_out_its_fraction():
+  """The built-in prompts are ordered by hash; a prefix's held-out share is still the fraction."""
+  prompts = distill_data.training_prompts(n_code=120, n_chat=40)
+  hashes = [distill_data.prompt_hash(p.text) for p in prompts]
+
+  class Hashes:  # what `_split` reads of a `Data`
+    def __init__(self, hashes):
+      self.hashes = hashes
+
+    def __len__(self):
+      return len(self.hashes)
+
+  train, held = distill._split(Hashes(hashes), 0.05)
+  assert len(train) + len(held) == len(prompts)
+  assert 1 <= len(held) <= 20, len(held)  # 8 expected; by the raw hash all 160 were below 0.05
+  again_train, again_held = distill._split(Hashes(hashes), 0.05)
+  np.testing.assert_array_equal(held, again_held)  # stable: resume sees the same split
+
+
 def test_bench_refuses_a_draft_trained_on_its_prompts(tmp_path, distilled):
   """A draft whose record holds a suite prompt's hash is refused (exit 2); a held-out one is not."""
   bundle, report = distilled
