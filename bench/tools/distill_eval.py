@@ -153,6 +153,8 @@ def main(argv: Optional[list[str]] = None) -> int:
   p.add_argument("--humaneval-limit", type=int, help="the first N HumanEval tasks (default all)")
   p.add_argument("--reps", type=int, default=1, help="timed repetitions (medians; default 1)")
   p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--dtype", default=None, choices=("exact", "float32", "bfloat16", "float16"),
+                 help="the target's storage (default: jspec.load's, exact on CPU)")
   p.add_argument("--out", default="bench/results/distill_cpu.json")
   p.add_argument("--resume", action="store_true", help="keep the prompts already in --out")
   opts = p.parse_args(argv)
@@ -192,6 +194,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   doc.update({"command": machine.command(sys.argv[1:] if argv is None else argv),
               "git": machine.git(), "machine": machine.describe(), "draft": opts.draft,
               "settings": {"reps": opts.reps, "max_new_tokens": opts.max_new_tokens,
+                           "target_dtype": opts.dtype,
                            "mode": MODE_KWARGS, "stop_at_eos": False, "greedy": True},
               "training": None if record is None else {
                   k: record.get(k) for k in ("recipe", "steps", "stopped_early", "train_s",
@@ -207,7 +210,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "train_minutes": (record.get("train_s") or 0) / 60,
         "total_minutes": ((data.get("data_s") or 0) + (record.get("train_s") or 0)) / 60}
   t0 = time.perf_counter()
-  loaded = models.load(opts.model, None, None, "float32", False, False)
+  loaded = models.load(opts.model, None, None, opts.dtype, False, False)
   tuned = models.prepare_checkpoint(opts.draft, "draft", bundle_lib.Settings())
   bundle = loaded.bundle
   tuned_bundle = jspec.Bundle(bundle.target, tuned, bundle.tokenizer)
