@@ -1,7 +1,10 @@
 """The lossy int8 target: an explicit opt-in that stores the target per output in int8.
 
-Speculative decoding stays lossless with respect to the target it runs (the
-quantized one); against the full-precision target it is measured, not
+On these tiny models speculative decoding gives the quantized target's own
+output. On the real pair it may not, token for token: quantizing each
+activation row can turn summation-order differences between a step and a
+verify into a flipped near tie (docs/decisions-compact.md, "Lossy int8
+target"). Against the full-precision target the loss is measured, not
 assumed (`bench.tools.target_int8`).
 """
 

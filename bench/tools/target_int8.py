@@ -1,7 +1,9 @@
 """The lossy int8 target (`--target-int8`) against the full-precision one: quality and speed, one run.
 
-    python -m bench.tools.target_int8 --prompts all --max-new-tokens 64 --reps 2 \\
-        --out bench/results/target_int8_cpu.json
+    python -m bench.tools.target_int8 --max-new-tokens 64 --no-speed \\
+        --out bench/results/target_int8_quality_cpu.json
+    python -m bench.tools.target_int8 --prompts 3 --max-new-tokens 64 --reps 1 \\
+        --out bench/results/target_int8_speed_cpu.json
 
 Loads the default pair twice: the target as jspec stores it by default (the
 reference: on CPU its GGUF's own numbers, which are the float32 model's)
@@ -121,7 +123,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
   ap = argparse.ArgumentParser(prog="python -m bench.tools.target_int8",
                                description=__doc__.split("\n")[0])
-  ap.add_argument("--prompts", default="all", help="as for python -m bench (default: all)")
+  ap.add_argument("--prompts", default=None, help="as for python -m bench (default: all 12)")
   ap.add_argument("--max-new-tokens", type=_positive, default=64)
   ap.add_argument("--reps", type=_positive, default=2, help="timed repetitions (default: 2)")
   ap.add_argument("--no-speed", action="store_true", help="quality only")
@@ -143,7 +145,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ids = prompts_lib.encode(p, ref.tokenizer)
     path = _run(ref, ids, args.max_new_tokens, "target")["ids"]
     rec: dict[str, Any] = quality(ref.target, q8.target, ids + path, len(ids), ref.vocab_limit)
-    rec["group"] = p.group
+    rec["kind"] = p.kind
     if not args.no_speed:
       for name in names:  # compile
         _run(*((engines[name][0], ids, args.max_new_tokens, engines[name][1])))
@@ -169,8 +171,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "mean_kl": sum(r["mean_kl"] * r["positions"] for r in recs)
         / sum(r["positions"] for r in recs),
         "max_kl": max(r["max_kl"] for r in recs),
-        "prompts_with_identical_greedy_output": sum(bool(r.get("int8_ids_equal_reference"))
-                                                    for r in recs),
+        "prompts_with_identical_greedy_output": (  # known only where the int8 target ran
+            None if args.no_speed else sum(bool(r["int8_ids_equal_reference"]) for r in recs)),
         "tok_s_median": ({n: _median([r["tok_s"][n] for r in recs]) for n in names}
                          if not args.no_speed else None),
         "peak_rss_bytes": memory.peak_rss_bytes(), "complete": len(recs) == len(chosen)}
@@ -179,7 +181,8 @@ def main(argv: Optional[list[str]] = None) -> int:
   s = doc["summary"]
   print(f"\nover {len(chosen)} prompts: top-1 agreement {s['top1_agreement']:.4f}, mean KL "
         f"{s['mean_kl']:.5f} nats (largest {s['max_kl']:.4f}); greedy output identical on "
-        f"{s['prompts_with_identical_greedy_output']}; target bytes per forward: reference "
+        f"{s['prompts_with_identical_greedy_output'] if not args.no_speed else '- (not run)'}; "
+        f"target bytes per forward: reference "
         f"{doc['forward_bytes']['reference'] / 1e9:.2f} GB, int8 "
         f"{doc['forward_bytes']['int8'] / 1e9:.2f} GB")
   if s["tok_s_median"]:
