@@ -24,18 +24,15 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jspec import bundle as bundle_lib
 from jspec import cache as cache_lib
@@ -100,14 +97,6 @@ def _median(xs):
   return float(statistics.median(xs)) if xs else None
 
 
-def _write(doc: dict[str, Any], out: pathlib.Path) -> None:
-  out.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-  with os.fdopen(fd, "w") as f:
-    json.dump(doc, f, indent=1)
-  os.replace(tmp, out)
-
-
 def _positive(text: str) -> int:
   value = int(text)
   if value < 1:
@@ -120,6 +109,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   import jspec  # pylint: disable=import-outside-toplevel
   from bench import memory  # pylint: disable=import-outside-toplevel
   from bench import prompts as prompts_lib  # pylint: disable=import-outside-toplevel
+  from bench import results  # pylint: disable=import-outside-toplevel
 
   ap = argparse.ArgumentParser(prog="python -m bench.tools.target_int8",
                                description=__doc__.split("\n")[0])
@@ -129,7 +119,10 @@ def main(argv: Optional[list[str]] = None) -> int:
   ap.add_argument("--no-speed", action="store_true", help="quality only")
   ap.add_argument("--out", type=pathlib.Path, default=None)
   args = ap.parse_args(argv)
-  chosen = prompts_lib.select(prompts_lib.SUITE, args.prompts)
+  try:
+    chosen = prompts_lib.select(prompts_lib.SUITE, args.prompts)
+  except ValueError as e:
+    ap.error(f"--prompts: {e}")
 
   ref = jspec.load(progress=False)
   q8 = jspec.load(progress=False, settings=bundle_lib.Settings(target_int8=True))
@@ -148,7 +141,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     rec["kind"] = p.kind
     if not args.no_speed:
       for name in names:  # compile
-        _run(*((engines[name][0], ids, args.max_new_tokens, engines[name][1])))
+        b, method = engines[name]
+        _run(b, ids, args.max_new_tokens, method)
       runs: dict[str, list] = {n: [] for n in names}
       for rep in range(args.reps):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
@@ -177,7 +171,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                          if not args.no_speed else None),
         "peak_rss_bytes": memory.peak_rss_bytes(), "complete": len(recs) == len(chosen)}
     if args.out:
-      _write(doc, args.out)
+      results.write(doc, args.out)
   s = doc["summary"]
   print(f"\nover {len(chosen)} prompts: top-1 agreement {s['top1_agreement']:.4f}, mean KL "
         f"{s['mean_kl']:.5f} nats (largest {s['max_kl']:.4f}); greedy output identical on "
