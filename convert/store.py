@@ -14,11 +14,15 @@ file into a ConvertError.
 
 from __future__ import annotations
 
+import collections.abc
 import json
+import math
+import mmap
 import os
 import pathlib
 import struct
 import tempfile
+import weakref
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -199,16 +203,26 @@ def write_file_atomic(path: pathlib.Path, write: Callable[[str], None]) -> pathl
 
 
 def load(path, dtype: Any = None,
-         put: Optional[Callable[[np.ndarray], Any]] = None) -> tuple[config_lib.Qwen2Config, dict]:
+         put: Optional[Callable[[np.ndarray], Any]] = None,
+         mapped: bool = False) -> tuple[config_lib.Qwen2Config, Any]:
   """Reads a file written by `save`.
 
   Args:
     path: the file (or a directory holding jspec.safetensors).
     dtype: cast the params to this dtype (None: keep the stored one).
     put: applied to each tensor as it is read (e.g. `jax.device_put`).
+    mapped: read nothing yet: return a mapping that makes each tensor when
+      it is looked up, as a view of its own private (copy-on-write) memory
+      map of the file (cast or widened, if asked, into a new array). Nothing
+      is read until a view is used, and the pages it made resident leave the
+      process with it, so a caller that converts one tensor at a time and
+      drops each holds one tensor of the file, never all of them
+      (`jspec.loading`). Each lookup makes a new view: keep it, not the
+      mapping's entry.
 
   Returns:
-    (config, {jspec path: tensor}).
+    (config, {jspec path: tensor}): a dict, or with `mapped` a read-only
+    mapping.
 
   Raises:
     ConvertError: not a jspec file, truncated, corrupted, or tensors that do
@@ -256,8 +270,10 @@ def load(path, dtype: Any = None,
       raise keys.ConvertError(f"{path}: cannot read tensor {name!r}, the file is truncated or "
                               f"corrupted ({type(e).__name__}: {e})") from None
 
-  params: dict = {}
-  for name in keys.expected_shapes(cfg):
+  if mapped:
+    read = _Views(path, shapes)
+
+  def param(name):
     if name in blocks:
       value = gguf_blocks.Blocks(read(name + ":q"), read(name + ":scale"),
                                  read(name + ":offset") if name + ":offset" in shapes else None,
@@ -265,12 +281,90 @@ def load(path, dtype: Any = None,
       if cast is not None:  # a float dtype asked for: widen, exactly
         value = value.widen()  # [out, in], as HF holds it
         value = value.T if name in keys.transposed(cfg) else value
-        params[name] = put(np.ascontiguousarray(value, dtype=cast))
-      else:
-        params[name] = value
-      continue
+        return put(np.ascontiguousarray(value, dtype=cast))
+      return value
     array = read(name)
     if cast is not None and array.dtype != cast:
       array = array.astype(cast)
-    params[name] = put(array)
-  return cfg, params
+    return put(array)
+
+  if mapped:
+    return cfg, _Lazy(list(keys.expected_shapes(cfg)), param)
+  return cfg, {name: param(name) for name in keys.expected_shapes(cfg)}
+
+
+# safetensors dtype names of the tensors `_check` admits.
+_DTYPES = {"F32": keys.DTYPES["float32"], "BF16": keys.DTYPES["bfloat16"],
+           "F16": keys.DTYPES["float16"], "I8": np.dtype(np.int8)}
+
+
+class _Views:
+  """A jspec file's tensors as views of private memory maps, one map per tensor.
+
+  The file is opened once, so every view comes from the file that was
+  checked even if another process renames a new one over its name; the
+  header is checked against the file's size here, so a truncated file fails
+  before any tensor is used.
+  """
+
+  def __init__(self, path: pathlib.Path, shapes: dict[str, tuple]):
+    self._path = path
+    self._fd = os.open(path, os.O_RDONLY)
+    weakref.finalize(self, os.close, self._fd)
+    try:
+      size = os.fstat(self._fd).st_size
+      with os.fdopen(os.dup(self._fd), "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > min(size - 8, 100_000_000):
+          raise ValueError(f"header length {n} runs past the file")
+        header = json.loads(f.read(n))
+      self._entries = {}
+      for name in shapes:
+        entry = header[name]
+        start, stop = (int(x) for x in entry["data_offsets"])
+        dtype = _DTYPES[entry["dtype"]]
+        shape = tuple(int(d) for d in entry["shape"])
+        if shape != tuple(shapes[name]) or stop - start != dtype.itemsize * math.prod(shape):
+          raise ValueError(f"tensor {name!r} is not where its size says")
+        if not 0 <= start <= stop <= size - 8 - n:
+          raise ValueError(f"tensor {name!r} runs past the end of the file")
+        self._entries[name] = (8 + n + start, dtype, shape)
+    except (OSError, struct.error, ValueError, KeyError, TypeError) as e:
+      raise keys.ConvertError(f"{path}: not a readable jspec file, truncated or corrupted "
+                              f"({type(e).__name__}: {e})") from None
+
+  def __call__(self, name: str) -> np.ndarray:
+    begin, dtype, shape = self._entries[name]
+    count = math.prod(shape)
+    if not count:
+      return np.zeros(shape, dtype)
+    base = begin - begin % mmap.ALLOCATIONGRANULARITY
+    try:
+      pages = mmap.mmap(self._fd, begin - base + count * dtype.itemsize, flags=mmap.MAP_PRIVATE,
+                        prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base)
+    except (OSError, ValueError) as e:
+      raise keys.ConvertError(f"{self._path}: cannot map tensor {name!r} "
+                              f"({type(e).__name__}: {e})") from None
+    # The view holds the map; the map goes (unmapped) with the last view of it.
+    return np.frombuffer(pages, dtype, count, begin - base).reshape(shape)
+
+
+class _Lazy(collections.abc.Mapping):
+  """A read-only mapping whose values are made by a function each time they are looked up."""
+
+  def __init__(self, names: list[str], make: Callable[[str], Any]):
+    self._names, self._make = names, make
+
+  def __getitem__(self, name: str) -> Any:
+    if name not in self._names:
+      raise KeyError(name)
+    return self._make(name)
+
+  def __contains__(self, name: object) -> bool:
+    return name in self._names
+
+  def __iter__(self):
+    return iter(self._names)
+
+  def __len__(self) -> int:
+    return len(self._names)

@@ -120,6 +120,9 @@ def _convert_leaves(params: dict, convert_leaf, consume: bool) -> dict:
 
   With `consume`, each source leaf leaves `params` as soon as its
   replacement exists, so memory grows by one matrix, not by the model.
+  A source may be numpy views of a mapped file (`jspec.loading`): what a
+  conversion keeps as it is becomes a device array here, so that no view
+  outlives its turn.
   """
   out = {}
   for key in list(params):
@@ -127,7 +130,7 @@ def _convert_leaves(params: dict, convert_leaf, consume: bool) -> dict:
     if isinstance(value, dict):
       out[key] = _convert_leaves(value, convert_leaf, consume)
     elif weights.is_leaf(value):
-      out[key] = convert_leaf(value)
+      out[key] = jax.tree.map(jnp.asarray, convert_leaf(value))
     else:
       out[key] = jnp.asarray(value) if value is not None else None
     if consume:

@@ -463,6 +463,24 @@ def test_a_second_load_maps_the_prepared_file(fake_pair, monkeypatch):
   assert floats != default and floats.is_file() and default.is_file()
 
 
+def test_a_first_load_maps_back_the_prepared_file_it_wrote(fake_pair, monkeypatch):
+  # A model made in this process is dropped for the file it was written to, so
+  # that the next one is made beside mapped pages, not beside a copy of it all.
+  maps = []
+  real = prepared.load
+
+  def load(path, key):
+    maps.append(real(path, key))
+    return maps[-1]
+
+  monkeypatch.setattr(prepared, "load", load)
+  first = jspec.load("fake-pair", progress=False)
+  assert len(maps) == 2 and first.target is maps[0] and first.draft is maps[1]
+  maps.clear()
+  assert _ids(jspec.load("fake-pair", progress=False)) == _ids(first)
+  assert len(maps) == 2  # the warm load maps the same files
+
+
 @pytest.mark.parametrize("damage", ["flipped-bytes", "garbled-header-restamped"])
 def test_a_damaged_prepared_file_is_rebuilt(fake_pair, monkeypatch, capsys, damage):
   expected = _ids(jspec.load("fake-pair", progress=False))
