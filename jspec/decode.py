@@ -48,7 +48,7 @@ POLICIES = ("fixed", "heuristic", "confidence")
 STOPPING_POLICIES = ("confidence",)  # stop drafting on the draft's own probabilities
 # Prompt tokens per prefill forward (`encode`); prompt widths are powers of
 # two, so every width at least this is a multiple of it.
-PREFILL_CHUNK = 64
+PREFILL_CHUNK = 16
 
 
 @dataclasses.dataclass(frozen=True)
