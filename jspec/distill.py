@@ -564,6 +564,42 @@ def _load_partial(path: Optional[pathlib.Path], key: str) -> tuple[dict, dict]:
   return dict(saved.get("rows", {})), dict(saved.get("generate_s", {"draft": 0.0, "target": 0.0}))
 
 
+
+# Seconds between progress lines when stderr is not a terminal (a log file):
+# a line a minute instead of a redraw every tenth of a second.
+LOG_PROGRESS_INTERVAL_S = 60.0
+
+
+class _Lines:
+  """A stream for tqdm that ends each redraw with a newline: a log keeps one line per update."""
+
+  def __init__(self, stream):
+    self.stream = stream
+
+  def write(self, text: str) -> None:
+    text = text.replace("\r", "").strip()
+    if text:
+      self.stream.write(text + "\n")
+
+  def flush(self) -> None:
+    self.stream.flush()
+
+
+def _bar(**kwargs) -> tqdm.tqdm:
+  """A progress bar on stderr: redrawn on a terminal, a line a minute into a log.
+
+  Args:
+    **kwargs: `tqdm.tqdm` arguments (total, desc, unit, initial, disable).
+
+  Returns:
+    The bar.
+  """
+  if sys.stderr.isatty():
+    return tqdm.tqdm(file=sys.stderr, **kwargs)
+  return tqdm.tqdm(file=_Lines(sys.stderr), mininterval=LOG_PROGRESS_INTERVAL_S, ascii=True,
+                   dynamic_ncols=False, ncols=100, **kwargs)
+
+
 def make_data(bundle: bundle_lib.Bundle, prompts: Sequence[distill_data.Prompt], recipe: Recipe,
               progress: bool = True, partial: Optional[pathlib.Path] = None) -> Data:
   """Generates the continuations and the target's labels for every training prompt.
@@ -590,9 +626,8 @@ def make_data(bundle: bundle_lib.Bundle, prompts: Sequence[distill_data.Prompt],
   done, gen_s = _load_partial(partial, key)
   row_key = lambda i: f"{hashes[i]}:{sources[i]}:{i}"
   continuations: list[Optional[list[int]]] = [done.get(row_key(i)) for i in range(len(prompts))]
-  bar = tqdm.tqdm(total=len(prompts), desc="distill: generating", unit="prompt",
-                  initial=sum(c is not None for c in continuations), disable=not progress,
-                  file=sys.stderr)
+  bar = _bar(total=len(prompts), desc="distill: generating", unit="prompt",
+             initial=sum(c is not None for c in continuations), disable=not progress)
   fast = fast_pair(bundle) if "target" in sources and recipe.target_batch == 1 else bundle
   for source in ("draft", "target"):
     todo = [i for i in range(len(prompts)) if sources[i] == source]
@@ -632,8 +667,7 @@ def make_data(bundle: bundle_lib.Bundle, prompts: Sequence[distill_data.Prompt],
   need = [i for i in range(n) if i not in free]
   t_label = time.perf_counter()
   if need:
-    bar = tqdm.tqdm(total=len(need), desc="distill: target labels", unit="seq",
-                    disable=not progress, file=sys.stderr)
+    bar = _bar(total=len(need), desc="distill: target labels", unit="seq", disable=not progress)
     for start in range(0, len(need), recipe.label_batch):
       chunk = need[start:start + recipe.label_batch]
       rows = chunk + [chunk[-1]] * (recipe.label_batch - len(chunk))  # one program shape
@@ -1347,8 +1381,8 @@ def train(cfg: config_lib.Qwen2Config, params: Any, data: Data, recipe: Recipe,
   if start == 0 and len(eval_idx):
     history["evals"].append({"step": 0, **evaluate(cfg, params, trainable, recipe, data,
                                                    eval_idx)})
-  bar = tqdm.tqdm(total=total, initial=start, desc="distill: training", unit="step",
-                  disable=not progress, file=sys.stderr)
+  bar = _bar(total=total, initial=start, desc="distill: training", unit="step",
+             disable=not progress)
   t0 = time.perf_counter()
   before_s = history["train_s"]
   compile_s = 0.0
@@ -1707,8 +1741,8 @@ def main(argv: Sequence[str], prog: str = "jspec distill") -> int:
   if draft is None:
     raise DistillError(f"{target} is not a pair: pass --draft-model PATH, the draft to distill")
   out, work = _paths(args.out, args.work_dir)
-  progress = sys.stderr.isatty()
-  bundle = loading.load(target, draft, progress=progress, tokenizer=args.tokenizer,
+  progress = True  # a terminal redraws the bars; a log gets a line a minute (`_bar`)
+  bundle = loading.load(target, draft, progress=sys.stderr.isatty(), tokenizer=args.tokenizer,
                         settings=bundle_lib.Settings(draft_int8=False))
   data = prepare_data(bundle, prompts, recipe, work, not args.no_resume, progress)
   cfg = bundle.draft.cfg

@@ -414,3 +414,18 @@ def test_command_line_distills(tmp_path, capsys):
   assert distill_data.read_record(out)["recipe"]["steps"] == 3
   pair = jspec.load(str(target), draft=str(out), progress=False)
   assert pair.draft.cfg == bundle.draft.cfg
+
+
+def test_progress_into_a_log_is_a_line_per_update(monkeypatch, capsys):
+  # Not a terminal (a log file): each redraw ends with a newline, no \r, so
+  # a long run shows its progress in the log while it runs.
+  monkeypatch.setattr(distill, "LOG_PROGRESS_INTERVAL_S", 0.0)
+  bar = distill._bar(total=3, desc="distill: training", unit="step")
+  for _ in range(3):
+    bar.update(1)
+  bar.close()
+  err = capsys.readouterr().err
+  lines = err.splitlines()
+  assert "\r" not in err
+  assert len(lines) >= 3 and all(line.startswith("distill: training") for line in lines)
+  assert "3/3" in lines[-1]
