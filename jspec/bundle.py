@@ -33,7 +33,8 @@ class Settings:
     draft_int8: store the draft's matrices in int8 (a cheaper proposer;
       the output stays the target's). None: on CPU.
     target_int8: store the target's matrices in int8 with a scale per
-      output. Lossy: the output is then no longer exactly the checkpoint's
+      output, multiplied with float32 activations (`weights.to_int8_blocks`).
+      Lossy: the output is then no longer exactly the checkpoint's
       model (`bench.tools.target_int8` measures by how much), so it is
       an explicit opt-in for checkpoints that exact storage cannot shrink
       (float32).
@@ -194,11 +195,12 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
   elif kernels and not (where == "cpu" and cpu_kernels.available()):
     raise ValueError("kernels=True, but jspec's CPU kernels cannot run here: "
                      + (cpu_kernels.unavailable_reason() or f"the params are on {where}"))
-  if role == "draft":
-    int8 = settings.draft_int8 if settings.draft_int8 is not None else where == "cpu"
-  else:
-    int8 = settings.target_int8
-  if int8:
+  draft_int8 = role == "draft" and (settings.draft_int8 if settings.draft_int8 is not None
+                                    else where == "cpu")
+  if role == "target" and settings.target_int8:
+    # Float activations, not the draft's W8A8: a verify row must equal the step's.
+    convert_leaf = weights.to_int8_blocks
+  elif draft_int8:
     packed = kernels and cpu_kernels.int8_available()
     convert_leaf = lambda w: weights.to_int8(w, panels=packed)
   elif kernels:

@@ -18,7 +18,8 @@ is read. Stored forms:
   Int8        [O, I] int8 and a scale per output: the int8 draft, XLA's dot
   Int8Panels  the same as the int8 kernel's panels, with row sums
   Blocks      a checkpoint's own int8 blocks (GGUF k-quants, exactly) as panels,
-              with a float32 scale (and offset) per block of inputs
+              with a float32 scale (and offset) per block of inputs; also
+              the lossy int8 target's rows (`to_int8_blocks`)
   BF16Panels  bfloat16 kernel panels (a bfloat16 checkpoint, exactly)
 
 Axis letters in shape comments: I inputs, O outputs, V vocabulary, D width.
@@ -292,9 +293,8 @@ def to_int8(w: Leaf, panels: bool = False) -> Leaf:
   """W quantized per output (symmetric int8), optionally stored for the int8 kernel.
 
   The draft only proposes; rejection sampling keeps the output the
-  target's for any q, so the draft may be quantized freely; the target
-  only by explicit opt-in (`jspec.Settings(target_int8=True)`), as that
-  changes the model.
+  target's for any q, so the draft may be quantized freely (a target's
+  int8 form, an explicit opt-in, is `to_int8_blocks`).
 
   Args:
     w: a float leaf.
@@ -303,6 +303,45 @@ def to_int8(w: Leaf, panels: bool = False) -> Leaf:
   Returns:
     An `Int8` or `Int8Panels` leaf.
   """
+  q, scale = _int8_rows(w)
+  if panels and q.shape[0] % PANEL == 0:
+    packed, sums = cpu_kernels.pack_int8(q)
+    return Int8Panels(jax.block_until_ready(packed), sums, scale, inputs=q.shape[1])
+  return Int8(q, scale)
+
+
+INT8_BLOCK = 32  # inputs per repeated scale in `to_int8_blocks` (the block kernel's largest B)
+
+
+def to_int8_blocks(w: Leaf) -> Leaf:
+  """W quantized per output as `to_int8` does, stored as symmetric blocks for float activations.
+
+  The lossy int8 target (`jspec.Settings(target_int8=True)`) is stored so
+  because the block kernel widens the int8 weights in registers and keeps
+  the activations float32, so each row's product is the same whichever rows
+  share the call (a verify row equals a one-row step), which quantizing
+  every activation row to int8 (`to_int8`) does not give.
+
+  Args:
+    w: a float leaf (`Dense`, `Table`, or a packed form, widened first).
+
+  Returns:
+    A `Blocks` leaf with no offsets, each row's scale repeated for every
+    block of `INT8_BLOCK` inputs (one block over the whole row when the
+    inputs are not a multiple of it); where the outputs are not a multiple
+    of 32, the same values widened into a `Dense` (a `Table` for a table).
+  """
+  q, scale = _int8_rows(w)
+  i = q.shape[1]
+  size = INT8_BLOCK if i % INT8_BLOCK == 0 else i
+  out = blocks(q, jnp.repeat(scale[:, None], i // size, axis=1))  # scale [O, I/B]
+  if isinstance(w, Table) and isinstance(out, Dense):
+    return Table(out.w.T)  # a table the block kernel cannot hold: read by rows
+  return out
+
+
+def _int8_rows(w: Leaf) -> tuple[jax.Array, jax.Array]:
+  """W.T quantized per row (`_quantize_rows`): ([O, I] int8, [O] float32), computed."""
   if isinstance(w, Dense):
     q, scale = _quantize_rows(w.w.T)
   elif isinstance(w, Table):
@@ -311,11 +350,7 @@ def to_int8(w: Leaf, panels: bool = False) -> Leaf:
     q, scale = _quantize_rows(matrix(w).T)
   else:
     raise TypeError(f"cannot quantize a {type(w).__name__} weight")
-  q, scale = jax.block_until_ready((q, scale))
-  if panels and q.shape[0] % PANEL == 0:
-    packed, sums = cpu_kernels.pack_int8(q)
-    return Int8Panels(jax.block_until_ready(packed), sums, scale, inputs=q.shape[1])
-  return Int8(q, scale)
+  return jax.block_until_ready((q, scale))
 
 
 @jax.jit

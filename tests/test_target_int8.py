@@ -1,11 +1,13 @@
 """The lossy int8 target: an explicit opt-in that stores the target per output in int8.
 
-On these tiny models speculative decoding gives the quantized target's own
-output. On the real pair it may not, token for token: quantizing each
-activation row can turn summation-order differences between a step and a
-verify into a flipped near tie (docs/decisions-compact.md, "Lossy int8
-target"). Against the full-precision target the loss is measured, not
-assumed (`bench.tools.target_int8`).
+Its matrices hold the per-row int8 quantization as symmetric blocks of 32
+inputs (each row's scale repeated), multiplied with float32 activations by
+the block kernel, so a row's product does not depend on the rows beside it
+and a verify row equals the target-only step's. The first form quantized
+each activation row to int8 too, which turned float summation-order
+differences between a step and a verify into flipped near ties on the real
+pair (docs/decisions-compact.md, "Lossy int8 target"). Against the
+full-precision target the loss is measured, not assumed (`bench.tools.target_int8`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from jspec import model
 from jspec import weights
 
 INT8 = (weights.Int8, weights.Int8Panels)
+BLOCK = 32
 
 
 def _matrices(m: bundle_lib.Model) -> list:
@@ -39,13 +42,74 @@ def _targets(seed: int = 0):
   return full, q8
 
 
+def _is_int8_blocks(w) -> bool:
+  """A symmetric `Blocks` leaf with one scale per 32 inputs."""
+  return (isinstance(w, weights.Blocks) and w.offset is None and w.q.dtype == np.int8
+          and w.q.shape[1] == BLOCK * w.scale.shape[1])
+
+
 def test_only_the_opt_in_quantizes_the_target():
   full, q8 = _targets()
-  assert not any(isinstance(w, INT8) for w in _matrices(full))
-  assert all(isinstance(w, INT8) for w in _matrices(q8))
+  assert not any(isinstance(w, (*INT8, weights.Blocks)) for w in _matrices(full))
+  assert all(_is_int8_blocks(w) for w in _matrices(q8)), {type(w) for w in _matrices(q8)}
   assert q8.backend.dtype == "float32"
+  # The draft's int8 form is its own (activations quantized too: it only proposes).
+  bundle = tiny.packable_pair(5, target_int8=True)
+  assert all(_is_int8_blocks(w) for w in _matrices(bundle.target))
+  assert all(isinstance(w, INT8) for w in _matrices(bundle.draft))
   with pytest.raises(ValueError, match="target_int8='yes': expected True or False"):
     jspec.Settings(target_int8="yes")
+
+
+def test_the_int8_target_holds_each_rows_int8_quantization_exactly():
+  # The blocks repeat each row's scale: they widen to the per-row int8 values, bit for bit.
+  params = model.init_params(tiny.PACKABLE_TARGET, jax.random.key(0), scale=0.3)
+  _, q8 = _targets()
+  source = _matrices(bundle_lib.Model(tiny.PACKABLE_TARGET, params))
+  got = _matrices(q8)
+  assert len(source) == len(got) > 0
+  for w, stored in zip(source, got):
+    assert stored.shape == w.shape
+    want = weights.matrix(weights.to_int8(w))
+    np.testing.assert_array_equal(np.asarray(weights.matrix(stored)), np.asarray(want))
+  # Rows read from the token table are the quantized rows too.
+  ids = jax.numpy.asarray([[0, 5, 63]])
+  table = q8.params["embed"]["table"]
+  want = weights.lookup(weights.to_int8(params["embed"]["table"]), ids)
+  np.testing.assert_array_equal(np.asarray(weights.lookup(table, ids)), np.asarray(want))
+
+
+def test_a_one_ulp_nudge_to_the_activations_moves_the_product_by_rounding_only():
+  # What broke the first form: an activation row quantized to int8 turns a
+  # one-ulp difference at a rounding boundary into a whole step.
+  _, q8 = _targets()
+  rng = np.random.RandomState(0)
+  for w in _matrices(q8):
+    i = w.shape[0]
+    x = rng.uniform(-100, 100, (4, i)).astype(np.float32)
+    x[:, 0] = 127.0  # each row's absmax, so its int8 step would be 1.0
+    x[:, 1] = 10.5  # a rounding tie in int8
+    nudged = x.copy()
+    nudged[:, 1] = np.nextafter(np.float32(10.5), np.float32(11))
+    y = np.asarray(weights.dot(jax.numpy.asarray(x), w))
+    y2 = np.asarray(weights.dot(jax.numpy.asarray(nudged), w))
+    m = np.asarray(weights.matrix(w), np.float64)  # [I, O]
+    bound = 1e-5 * (np.abs(x) @ np.abs(m)).max()
+    assert np.abs(y2 - y).max() <= bound, (w.shape, np.abs(y2 - y).max(), bound)
+    # Float activations: the product is x @ W up to float32 rounding.
+    np.testing.assert_allclose(y, x.astype(np.float64) @ m, rtol=0, atol=bound)
+
+
+def test_each_row_of_an_int8_target_product_is_the_same_whatever_rows_share_the_call():
+  _, q8 = _targets()
+  rng = np.random.RandomState(1)
+  for w in _matrices(q8):
+    x = jax.numpy.asarray(rng.standard_normal((9, w.shape[0])).astype(np.float32))
+    together = np.asarray(weights.dot(x, w))
+    for m in (1, 2, 3, 5):
+      np.testing.assert_array_equal(np.asarray(weights.dot(x[:m], w)), together[:m])
+    alone = np.stack([np.asarray(weights.dot(x[r:r + 1], w))[0] for r in range(9)])
+    np.testing.assert_array_equal(alone, together)
 
 
 def test_the_int8_target_is_close_to_the_full_one_but_not_the_same():
@@ -73,14 +137,23 @@ def test_quality_scores_the_positions_that_predict_the_path():
     target_int8.quality(bundle.target, bundle.target, prompt, 0)
 
 
-def test_speculative_decoding_is_lossless_for_the_int8_target():
+def test_greedy_speculative_output_is_the_int8_targets_own():
+  # The property the first form lost on the real pair: over seeds and
+  # prompts (one past a prefill chunk), every mode's greedy output is
+  # the int8 target's target-only output, token for token.
+  for seed in (0, 1, 2):
+    bundle = tiny.packable_pair(seed, target_int8=True)
+    for k, length in enumerate((6, 70)):
+      prompt = tiny.prompt(10 * seed + k, length, tiny.PACKABLE_VOCAB)
+      base = jspec.generate(bundle, prompt, max_new_tokens=24, method="target").token_ids
+      for gamma, policy in ((4, "fixed"), (3, "confidence")):
+        got = jspec.generate(bundle, prompt, max_new_tokens=24, gamma=gamma, policy=policy)
+        assert got.token_ids == base, (seed, length, gamma, policy)
+
+
+def test_speculative_sampling_is_lossless_for_the_int8_target():
   bundle = tiny.packable_pair(5, target_int8=True)
-  assert all(isinstance(w, INT8) for w in _matrices(bundle.target))
   prompt = [2, 7, 1, 8, 2, 8, 1, 8]
-  base = jspec.generate(bundle, prompt, max_new_tokens=20, method="target").token_ids
-  for policy in ("fixed", "confidence"):
-    got = jspec.generate(bundle, prompt, max_new_tokens=20, gamma=4, policy=policy)
-    assert got.token_ids == base
   spec = jspec.Options(temperature=1.0, gamma=3, policy="fixed").spec(
       bundle.target.arch, bundle.draft.arch, bundle.vocab_limit)
   samples = test_lossless.draw(bundle, [prompt], spec, 2, seed=13)[0]
