@@ -167,6 +167,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "max_kl": max(r["max_kl"] for r in recs),
         "prompts_with_identical_greedy_output": (  # known only where the int8 target ran
             None if args.no_speed else sum(bool(r["int8_ids_equal_reference"]) for r in recs)),
+        "prompts_int8_spec_equals_int8_target": (
+            None if args.no_speed else sum(bool(r["int8_spec_equals_int8_target"]) for r in recs)),
         "tok_s_median": ({n: _median([r["tok_s"][n] for r in recs]) for n in names}
                          if not args.no_speed else None),
         "peak_rss_bytes": memory.peak_rss_bytes(), "complete": len(recs) == len(chosen)}
@@ -176,6 +178,8 @@ def main(argv: Optional[list[str]] = None) -> int:
   print(f"\nover {len(chosen)} prompts: top-1 agreement {s['top1_agreement']:.4f}, mean KL "
         f"{s['mean_kl']:.5f} nats (largest {s['max_kl']:.4f}); greedy output identical on "
         f"{s['prompts_with_identical_greedy_output'] if not args.no_speed else '- (not run)'}; "
+        f"int8 speculative = int8 target-only on "
+        f"{s['prompts_int8_spec_equals_int8_target'] if not args.no_speed else '- (not run)'}; "
         f"target bytes per forward: reference "
         f"{doc['forward_bytes']['reference'] / 1e9:.2f} GB, int8 "
         f"{doc['forward_bytes']['int8'] / 1e9:.2f} GB")
