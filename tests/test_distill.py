@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import pathlib
 import shutil
 
 import chex
@@ -429,3 +430,93 @@ def test_progress_into_a_log_is_a_line_per_update(monkeypatch, capsys):
   assert "\r" not in err
   assert len(lines) >= 3 and all(line.startswith("distill: training") for line in lines)
   assert "3/3" in lines[-1]
+
+
+def test_distill_eval_runs_each_threshold(tmp_path, monkeypatch, capsys):
+  """bench.tools.distill_eval --min-confidence: both drafts at every threshold, each as generate runs it.
+
+  The tiny pair (a byte vocabulary: tokenizer-less suite prompts are their
+  UTF-8 bytes) stands in for the known pair; the "distilled" draft is another
+  random draft in a file. Every mode's counters and ids must be those of
+  `jspec.generate` with that mode's draft and threshold; the default run
+  keeps the tool's old output shape; bad thresholds are argparse errors
+  before anything loads.
+  """
+  from bench import models  # pylint: disable=import-outside-toplevel
+  from bench.tools import distill_eval  # pylint: disable=import-outside-toplevel
+  assert distill_eval.DEFAULT_MIN_CONFIDENCE == jspec.Options().min_confidence
+  bundle = tiny.pair(seed=3, scale=1.0, vocab=256)
+  d_cfg = bundle.draft.cfg
+  draft = distill.save_draft(tmp_path / "d.jspec.safetensors", d_cfg,
+                             model.init_params(d_cfg, jax.random.key(7), scale=1.0),
+                             {"prompt_hashes": [distill_data.prompt_hash("not a bench prompt")]})
+  tuned = jspec.Bundle(bundle.target, models.prepare_checkpoint(str(draft), "draft",
+                                                                 bundle_lib.Settings()))
+  loads = []
+
+  def fake_load(*args, **kwargs):
+    loads.append(args)
+    return models.Loaded(bundle, None, "tiny", {"target": models._describe(bundle.target)})
+
+  monkeypatch.setattr(models, "load", fake_load)
+  for bad, message in (("0", "not in (0, 1]"), ("1.5", "not in (0, 1]"), ("nan", "not in (0, 1]"),
+                       ("abc", "'abc' is not a number"), ("0.5,,0.7", "comma-separated"),
+                       ("0.5,0.50", "given twice"), ("", "comma-separated")):
+    with pytest.raises(SystemExit) as exit_info:
+      distill_eval.main(["--draft", str(draft), "--min-confidence", bad])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m bench.tools.distill_eval: error: --min-confidence"), err
+    assert message in err, (bad, err)
+  assert not loads  # refused before loading
+
+  names = "chat_email"  # one prompt: the default run below takes a code one
+  out = tmp_path / "r.json"
+  assert distill_eval.main(["--draft", str(draft), "--suites", "suite", "--prompts", names,
+                            "--min-confidence", "0.9,0.5", "--max-new-tokens", "8",
+                            "--out", str(out)]) == 0
+  doc = json.loads(out.read_text())
+  assert doc["settings"]["min_confidence"] == [0.5, 0.9]
+  runs = {"confidence": (bundle, 0.5), "confidence_distilled": (tuned, 0.5),
+          "confidence_p0.9": (bundle, 0.9), "confidence_distilled_p0.9": (tuned, 0.9)}
+  drafted = {}
+  for q in bench_prompts.select(bench_prompts.SUITE, names):
+    entry = doc["prompts"][q.name]
+    assert set(entry["modes"]) == {"target", *runs}, entry["modes"].keys()
+    ids = bench_prompts.encode(q, None)
+    for name, (pair, threshold) in runs.items():
+      want = jspec.generate(pair, ids, max_new_tokens=8, temperature=0.0, stop_at_eos=False,
+                            **dict(distill_eval.MODE_KWARGS, min_confidence=threshold))
+      got = entry["modes"][name]
+      for k in ("drafted", "accepted", "rounds", "mean_tokens_per_round"):
+        assert got[k] == want.stats[k], (q.name, name, k, got[k], want.stats[k])
+      assert got["ids_equal_target"]
+      drafted[q.name, name] = got["drafted"]
+  # The check bites: the thresholds, and the drafts, draft differently here.
+  assert drafted["chat_email", "confidence"] != drafted["chat_email", "confidence_p0.9"]
+  assert drafted["chat_email", "confidence"] != drafted["chat_email", "confidence_distilled"]
+  chat = doc["summary"]["chat"]
+  assert chat["prompts"] == 1
+  assert chat["confidence_distilled_p0.9"]["mean_tokens_per_round"] == (
+      doc["prompts"]["chat_email"]["modes"]["confidence_distilled_p0.9"]["mean_tokens_per_round"])
+  per = chat["thresholds"]
+  assert set(per) == {"0.5", "0.9"}
+  assert per["0.9"]["original"] == "confidence_p0.9"
+  assert per["0.9"]["distilled"] == "confidence_distilled_p0.9"
+  a, b = (chat[m]["mean_tokens_per_round"] for m in ("confidence_p0.9", "confidence_distilled_p0.9"))
+  assert per["0.9"]["tokens_per_round_gain"] == pytest.approx(b / a - 1)
+  assert per["0.9"]["targets"]["speedup"] == 2.3
+  assert chat["tokens_per_round_gain"] == per["0.5"]["tokens_per_round_gain"]
+  assert pathlib.Path(doc["plot"]).is_file()
+
+  # The default: the shape the tool always wrote (one threshold, the old mode names and keys).
+  out = tmp_path / "default.json"
+  assert distill_eval.main(["--draft", str(draft), "--suites", "suite", "--prompts", "quicksort",
+                            "--max-new-tokens", "4", "--out", str(out)]) == 0
+  doc = json.loads(out.read_text())
+  assert "min_confidence" not in doc["settings"]
+  assert doc["settings"]["mode"]["min_confidence"] == 0.5
+  assert set(doc["prompts"]["quicksort"]["modes"]) == {"target", "confidence",
+                                                      "confidence_distilled"}
+  assert set(doc["summary"]["code"]) == {"prompts", "confidence", "confidence_distilled",
+                                         "tokens_per_round_gain", "targets"}
