@@ -108,8 +108,34 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:  # [..., D] -> [..., D]
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    mean = row_sum(x32 * x32) / x32.shape[-1]  # [..., 1]
+    x32 = x32 * jax.lax.rsqrt(mean + self.eps)
     return self.scale[...] * x32.astype(x.dtype)
+
+
+def row_sum(x: jax.Array) -> jax.Array:
+  """Sum over the last axis by halving, the same float additions for a row whatever rows share the call.
+
+  XLA's CPU reduction (`jnp.sum`, `jnp.mean`) sums a row in an order that
+  depends on how many rows it reduces at once, so a one-row decode step and
+  a several-row verify could norm the same row an ulp apart and flip a near
+  tie. Elementwise adds of halves are per element, so each row is summed in
+  one fixed pairwise order (no worse rounded than the sequential sum).
+
+  Args:
+    x: [..., D] float.
+
+  Returns:
+    [..., 1] the sums.
+  """
+  while x.shape[-1] > 1:
+    n = x.shape[-1]
+    half = n // 2
+    y = x[..., :half] + x[..., half:2 * half]  # [..., D/2]
+    if n % 2:  # the odd element joins the last pair's sum
+      y = jnp.concatenate([y[..., :-1], y[..., -1:] + x[..., -1:]], axis=-1)
+    x = y
+  return x
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:

@@ -7,6 +7,7 @@ agree to 1e-4. Layer-level checks compare each Flax module with its HF twin.
 """
 
 import copy
+import dataclasses
 
 import chex
 import jax
@@ -17,9 +18,13 @@ import torch
 from transformers.models.qwen2 import modeling_qwen2
 
 import convert
+import jspec
+from bench import shapes
 from convert import config as config_lib
 from flax import nnx
+from jspec import bundle as bundle_lib
 from jspec import cache as cache_lib
+from jspec import cpu_kernels
 from jspec import model as model_lib
 from jspec import weights
 
@@ -224,3 +229,49 @@ def test_a_tensor_of_the_wrong_shape_or_name_is_named():
     model_lib.params_from_tensors(cfg, {k: v for k, v in good.items() if k != "norm/scale"})
   with pytest.raises(ValueError, match="unexpected.*layers/2"):
     model_lib.params_from_tensors(cfg, {**good, "layers/2/norm/scale": good["norm/scale"]})
+
+
+@pytest.mark.parametrize("d", [896, 1536])
+def test_rmsnorm_gives_a_row_the_same_bits_whatever_rows_share_the_call(d):
+  # A one-row decode step and a several-row verify norm the same row: with
+  # XLA's own reduction (jnp.mean) a row's sum depended on how many rows
+  # were reduced together (an ulp apart in about a quarter of these rows at
+  # the real widths), enough to flip a near tie between the two methods.
+  rng = np.random.default_rng(d)
+  norm = model_lib.RMSNorm(jnp.asarray(rng.standard_normal(d).astype(np.float32)), 1e-6)
+  run = jax.jit(lambda x: norm(x))
+  for trial in range(8):
+    x = rng.standard_normal((17, d)).astype(np.float32)
+    one = np.asarray(run(jnp.asarray(x[:1])))[0]
+    for m in (2, 5, 9, 17):
+      np.testing.assert_array_equal(np.asarray(run(jnp.asarray(x[:m])))[0], one)
+  ref = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6)
+  np.testing.assert_allclose(np.asarray(run(jnp.asarray(x))), ref * np.asarray(norm.scale[...]),
+                             rtol=2e-6, atol=1e-6)
+
+
+def test_row_sum_adds_every_element_once():
+  for d in (1, 2, 3, 7, 64, 1536):
+    x = np.arange(1, d + 1, dtype=np.float32)[None]  # exact sums below 2**24
+    assert float(model_lib.row_sum(jnp.asarray(x))[0, 0]) == d * (d + 1) / 2
+
+
+def test_a_verify_gives_the_one_row_steps_logits_bit_for_bit_at_a_real_width():
+  # The 1.5B's width (1536) and its kernels' storage, two layers: five
+  # one-token steps and one five-token verify from the same cache give the
+  # same logits bit for bit, so greedy speculative output is target-only's
+  # even at a near tie. (With jnp.mean in RMSNorm they were 7e-6 apart.)
+  if not cpu_kernels.available():
+    pytest.skip(f"kernel unavailable: {cpu_kernels.unavailable_reason()}")
+  cfg = dataclasses.replace(shapes.KNOWN["qwen2.5-coder"][0], num_layers=2, vocab_size=4096)
+  m = bundle_lib.prepare(cfg, model_lib.init_params(cfg, jax.random.key(0)), "target",
+                         jspec.Settings(), consume=True)
+  fwd = jax.jit(lambda p, t, c: model_lib.forward(m.arch, p, t, c))
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 4096, (1, 12)), jnp.int32)
+  _, cache = fwd(m.params, tokens[:, :7], cache_lib.init(cfg, 1, 64))
+  verify, _ = fwd(m.params, tokens[:, 7:], cache)  # [1, 5, V]
+  steps = []
+  for i in range(7, 12):
+    logits, cache = fwd(m.params, tokens[:, i:i + 1], cache)
+    steps.append(np.asarray(logits)[0, 0])
+  np.testing.assert_array_equal(np.stack(steps), np.asarray(verify)[0])
