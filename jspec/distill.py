@@ -564,7 +564,6 @@ def _load_partial(path: Optional[pathlib.Path], key: str) -> tuple[dict, dict]:
   return dict(saved.get("rows", {})), dict(saved.get("generate_s", {"draft": 0.0, "target": 0.0}))
 
 
-
 # Seconds between progress lines when stderr is not a terminal (a log file):
 # a line a minute instead of a redraw every tenth of a second.
 LOG_PROGRESS_INTERVAL_S = 60.0
