@@ -12,7 +12,6 @@ import time
 from typing import Any, Generator, Optional, Sequence, Union
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jspec import bundle as bundle_lib
@@ -68,6 +67,21 @@ def widths(longest: int, max_new: int, gamma_max: int) -> tuple[int, int]:
   """
   width = decode.buffer_width(longest, max_new, gamma_max)
   return width, width
+
+
+def seed_key(seed: int) -> jax.Array:
+  """`jax.random.key(seed)`, made on the host: `key` compiles a program of its own.
+
+  Args:
+    seed: an integer in [0, 2**32 - 1] (`Options` checks it).
+
+  Returns:
+    The typed key; the same as `jax.random.key(seed)`.
+  """
+  if jax.config.jax_default_prng_impl != "threefry2x32":
+    return jax.random.key(seed)
+  # threefry's seed with 32-bit ints: [0, seed] as uint32 (`prng.threefry_seed`).
+  return jax.random.wrap_key_data(np.asarray([0, seed], np.uint32), impl="threefry2x32")
 
 
 def is_single(prompt: Any) -> bool:
@@ -193,10 +207,12 @@ def request(bundle: bundle_lib.Bundle, prompt: Union[Prompt, Sequence[Prompt]],
   for r, row in enumerate(ids):
     padded[r, :len(row)] = row
   draft_params = bundle.draft.params if spec.draft is not None else None
-  args = (bundle.target.params, draft_params, jnp.asarray(padded),
-          jnp.asarray([len(i) for i in ids], jnp.int32),
-          jnp.full((len(ids),), options.max_new_tokens, jnp.int32),
-          jnp.asarray(eos, jnp.int32).reshape(-1), jax.random.key(options.seed), spec.knobs())
+  # Host arrays, not jnp ones: each jnp call here would compile a small
+  # program of its own in a new process, before the first token.
+  args = (bundle.target.params, draft_params, padded,
+          np.asarray([len(i) for i in ids], np.int32),
+          np.full((len(ids),), options.max_new_tokens, np.int32),
+          np.asarray(eos, np.int32).reshape(-1), seed_key(options.seed), spec.knobs())
   # Programs are compiled for the spec's program structure; the temperature,
   # top_p and min_confidence travel as data (`decode.Knobs`), so changing
   # them compiles nothing.
@@ -209,7 +225,7 @@ def request(bundle: bundle_lib.Bundle, prompt: Union[Prompt, Sequence[Prompt]],
   # The loop compiles in the background while the prefill runs: the first
   # token waits for the prefill's program only (docs/decisions.md, "Fast start").
   run = programs.PROGRAMS.get_later("run", decode.run, (args[0], args[1], pre.out_info,
-                                                       jnp.int32(0)),
+                                                       np.int32(0)),
                                     {"spec": program}, donate_argnums=(2,))
   return Request(spec, ids, args, pre, run, t_pre)
 
@@ -233,8 +249,9 @@ def _mesh_request(spec: decode.Spec, ids: list[list[int]], args: tuple, width: i
 
 def _stats(state: decode.State, row: int, n_new: int, compile_s: float, prefill_s: float,
            decode_s: float) -> dict[str, Any]:
-  rounds = int(state.row_rounds[row])
-  drafted, accepted = int(state.drafted[row]), int(state.accepted[row])
+  # Leaves to the host first: indexing device arrays compiles small programs.
+  rounds = int(np.asarray(state.row_rounds)[row])
+  drafted, accepted = int(np.asarray(state.drafted)[row]), int(np.asarray(state.accepted)[row])
   return {
       "new_tokens": n_new,
       "rounds": rounds,
@@ -243,8 +260,8 @@ def _stats(state: decode.State, row: int, n_new: int, compile_s: float, prefill_
       "acceptance_rate": accepted / drafted if drafted else float("nan"),
       # The prefill emits the first token; every round emits the rest.
       "mean_tokens_per_round": (n_new - 1) / rounds if rounds else float("nan"),
-      "accepted_histogram": np.asarray(state.hist[row]).tolist(),
-      "gamma_trace": np.asarray(state.gamma_trace[row, :rounds]).tolist(),
+      "accepted_histogram": np.asarray(state.hist)[row].tolist(),
+      "gamma_trace": np.asarray(state.gamma_trace)[row, :rounds].tolist(),
       "compile_s": compile_s,
       "prefill_s": prefill_s,
       "decode_s": decode_s,
@@ -287,14 +304,14 @@ def generate(bundle: bundle_lib.Bundle, prompt: Union[Prompt, Sequence[Prompt]],
   state = req.prefill(*req.args)
   jax.block_until_ready(state.tokens)
   t1 = time.perf_counter()
-  state = req.run(req.args[0], req.args[1], state, jnp.int32(np.iinfo(np.int32).max))
+  state = req.run(req.args[0], req.args[1], state, np.int32(np.iinfo(np.int32).max))
   if req.host is not None:
     state = req.host(state)
-  tokens = np.asarray(state.tokens)
+  tokens, seq_len = np.asarray(state.tokens), np.asarray(state.seq_len)
   t2 = time.perf_counter()
   results = []
   for r, ids in enumerate(req.prompts):
-    new = tokens[r, len(ids):int(state.seq_len[r])].tolist()
+    new = tokens[r, len(ids):int(seq_len[r])].tolist()
     results.append(Result(_text(bundle, new), new,
                           _stats(state, r, len(new), req.compile_seconds(), t1 - t0, t2 - t1)))
   return results[0] if is_single(prompt) else results
@@ -341,12 +358,16 @@ def stream(bundle: bundle_lib.Bundle, prompt: Prompt,
   prefill_s = None
   while True:
     shown = state if req.host is None else req.host(state)
-    seq_len = int(shown.seq_len[0])
+    # Whole small leaves to the host, then numpy indexing: indexing the
+    # device arrays would compile programs of their own. A leaf read so is
+    # not donated to the next call (a copy of [B] or [B, W] int32), the
+    # caches still are.
+    seq_len = int(np.asarray(shown.seq_len)[0])
     if prefill_s is None:
       prefill_s = time.perf_counter() - t0
-    done = bool(shown.done[0])
+    done = bool(np.asarray(shown.done)[0])
     if seq_len > emitted_ids or done:
-      all_new = np.asarray(shown.tokens[0, start:seq_len]).tolist()
+      all_new = np.asarray(shown.tokens)[0, start:seq_len].tolist()
       text = _text(bundle, all_new) or ""
       if not done and text.endswith("\ufffd"):
         text = text[:-1]  # an incomplete UTF-8 sequence: wait for its last byte
@@ -362,4 +383,4 @@ def stream(bundle: bundle_lib.Bundle, prompt: Prompt,
       return _stats(shown, 0, seq_len - start, req.compile_seconds(), prefill_s,
                     time.perf_counter() - t0 - prefill_s)
     limit += rounds_per_dispatch
-    state = req.run(req.args[0], req.args[1], state, jnp.int32(limit))
+    state = req.run(req.args[0], req.args[1], state, np.int32(limit))

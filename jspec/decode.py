@@ -33,6 +33,7 @@ import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jspec import cache as cache_lib
 from jspec import drafters
@@ -127,9 +128,10 @@ class Spec:
     Returns:
       Knobs of [] float32 arrays.
     """
-    return Knobs(temperature=jnp.float32(self.sampling.temperature),
-                 top_p=jnp.float32(self.sampling.top_p),
-                 min_confidence=jnp.float32(self.min_confidence))
+    # numpy scalars: jnp.float32 would compile a conversion in a new process.
+    return Knobs(temperature=np.asarray(self.sampling.temperature, np.float32),
+                 top_p=np.asarray(self.sampling.top_p, np.float32),
+                 min_confidence=np.asarray(self.min_confidence, np.float32))
 
 
 @flax.struct.dataclass

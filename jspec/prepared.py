@@ -206,7 +206,7 @@ def load(path: pathlib.Path, file_key: str) -> bundle_lib.Model:
   if meta.get("key") != file_key:
     raise PreparedError(f"{path}: made for other settings, another host or another jspec")
   try:
-    arrays, end = {}, 0
+    views, end = {}, 0
     for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
       start, stop = entry["data_offsets"]
       dtype = np.dtype(_DTYPES[entry["dtype"]])
@@ -216,10 +216,11 @@ def load(path: pathlib.Path, file_key: str) -> bundle_lib.Model:
       end = stop
       if name.startswith("__pad__/"):
         continue
-      view = np.frombuffer(mapped, dtype, int(np.prod(shape)), 8 + n + start).reshape(shape)
-      arrays[name] = jax.device_put(view, may_alias=True)
+      views[name] = np.frombuffer(mapped, dtype, int(np.prod(shape)), 8 + n + start).reshape(shape)
     if 8 + n + end != size:
       raise PreparedError(f"its tensors end at byte {8 + n + end} of {size}")
+    # One call for all of them: a call per array costs more than the aliasing itself.
+    arrays = dict(zip(views, jax.device_put(list(views.values()), may_alias=True)))
     params = _rebuild(json.loads(meta["tree"]), arrays)
     cfg = config_lib.Qwen2Config.from_dict(json.loads(meta["config"]))
     backend = model.Backend(**json.loads(meta["backend"]))

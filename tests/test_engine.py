@@ -392,6 +392,22 @@ def test_a_chunked_prefill_equals_one_forward_over_the_prompt(chunk):
                                 (fresh.k[:, row, :n], fresh.v[:, row, :n]), atol=1e-5)
 
 
+def test_a_ready_request_compiles_nothing_on_the_way_to_its_tokens(caplog):
+  # A new process pays for every small program the request path compiles
+  # (a jnp.asarray, jax.random.key, indexing the state): there must be none
+  # besides the two programs, which come from the caches.
+  bundle = tiny.pair(9)
+  first = list(jspec.stream(bundle, [1, 2, 3], max_new_tokens=8, gamma=2))
+  jax.clear_caches()  # the small programs' caches; the two programs are kept by `programs`
+  caplog.set_level("DEBUG")
+  with jax.log_compiles(True):
+    again = list(jspec.stream(bundle, [1, 2, 3], max_new_tokens=8, gamma=2, seed=5))
+    jspec.generate(bundle, [4, 5], max_new_tokens=8, gamma=2, seed=2**32 - 1)
+  compiled = [r.getMessage()[:80] for r in caplog.records if "Compiling" in r.getMessage()]
+  assert compiled == []
+  assert again == first  # greedy: the seed does not matter
+
+
 @pytest.mark.slow
 def test_every_prompt_length_in_a_buffer_width_shares_its_programs():
   bundle = tiny.pair(9)
