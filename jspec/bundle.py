@@ -10,13 +10,15 @@ prepared bundle afterwards: `generate` only reads it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from convert import config as config_lib
 from jspec import cpu_kernels
+from jspec import draft_vocab as draft_vocab_lib
 from jspec import greedy_head
 from jspec import model
 from jspec import sharding
@@ -44,6 +46,10 @@ class Settings:
       (`jspec.cpu_attention`).
     scan_layers: with the kernels, run the layers as one loop (one layer
       compiled per forward, not L).
+    draft_vocab: K: the draft's head keeps only the rows of the K most
+      frequent tokens and the special ones (`jspec.draft_vocab`), a
+      cheaper draft step; lossless, as the draft's q is then zero outside
+      them. None (or 0): the whole vocabulary.
   """
 
   kernels: Optional[bool] = None
@@ -52,8 +58,10 @@ class Settings:
   greedy_head: bool = True
   fused_attention: bool = True
   scan_layers: bool = True
+  draft_vocab: Optional[int] = None
 
   def __post_init__(self):
+    object.__setattr__(self, "draft_vocab", draft_vocab_lib.check(self.draft_vocab))
     for name in ("kernels", "draft_int8"):
       if getattr(self, name) not in (None, True, False):
         raise ValueError(f"{name}={getattr(self, name)!r}: expected True, False or None "
@@ -166,7 +174,8 @@ def _for_kernels(w: weights.Leaf) -> weights.Leaf:
 
 
 def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
-            settings: Settings = Settings(), consume: bool = False) -> Model:
+            settings: Settings = Settings(), consume: bool = False,
+            tokenizer: Any = None, ranking: Optional[Sequence[int]] = None) -> Model:
   """Stores a model's matrices the way its role and device run them fastest.
 
   Args:
@@ -179,12 +188,18 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
     settings: the load-time choices.
     consume: empty `params` as it goes (loading: peak memory is then the
       model plus one matrix); otherwise it is left as it was.
+    tokenizer: the pair's tokenizer: with `settings.draft_vocab`, a draft's
+      ranking is counted with it and its special ids are kept.
+    ranking: with `settings.draft_vocab`, the draft's ids most frequent
+      first, instead of the tokenizer's (None and no tokenizer: the ids in
+      order).
 
   Returns:
     The prepared `Model`.
 
   Raises:
-    ValueError: an unknown role, or kernels asked for where they cannot run.
+    ValueError: an unknown role, kernels asked for where they cannot run,
+      or a draft_vocab past the vocabulary.
   """
   if role not in ("target", "draft"):
     raise ValueError(f"role={role!r}: expected 'target' or 'draft'")
@@ -207,6 +222,19 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
     convert_leaf = _for_kernels
   else:
     convert_leaf = weights.to_float
+  keep = None
+  if role == "draft" and settings.draft_vocab:
+    draft_vocab_lib.check(settings.draft_vocab, cfg.vocab_size)
+    if ranking is None and tokenizer is not None:
+      ranking = draft_vocab_lib.ranking(tokenizer)
+    always = list(cfg.eos_token_ids) + draft_vocab_lib.special_ids(tokenizer)
+    # Rounded up to whole kernel panels where the full head fills them too.
+    multiple = weights.PANEL if kernels and cfg.vocab_size % weights.PANEL == 0 else 1
+    keep = draft_vocab_lib.subset(settings.draft_vocab, cfg.vocab_size, ranking, always,
+                                  multiple)
+    source = params["embed"]["table"] if cfg.tie_word_embeddings else params["head"]["w"]
+    # [K, D] float rows, stored as the full head would be: the same numbers at each kept id.
+    rows = weights.Table(jnp.asarray(weights.lookup(source, np.asarray(keep))))
   converted = _convert_leaves(params, convert_leaf, consume)
   if kernels:  # the layer loop reads each matrix of every layer with one kernel call
     converted["layers"] = _uniform_layers(converted["layers"])
@@ -215,6 +243,9 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
   dtype = weights.compute_dtype(head)
   if role == "target" and kernels and settings.greedy_head and greedy_head.suits(head):
     module.greedy_head.set_value(greedy_head.make(head.p))
+  if keep is not None:
+    module.vocab_ids.set_value(jnp.asarray(keep, jnp.int32))
+    module.vocab_head.set_value(jax.tree.map(jnp.asarray, convert_leaf(rows)))
   prepared = model.params_of(module)
   backend = model.Backend(kernels=kernels, fused_attention=settings.fused_attention,
                           scan_layers=settings.scan_layers, dtype=dtype.name)
@@ -223,7 +254,7 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
 
 def make(target: tuple[config_lib.Qwen2Config, dict],
          draft: Optional[tuple[config_lib.Qwen2Config, dict]] = None, tokenizer: Any = None,
-         settings: Settings = Settings()) -> Bundle:
+         settings: Settings = Settings(), ranking: Optional[Sequence[int]] = None) -> Bundle:
   """A bundle from (config, params) pairs, prepared as `jspec.load` would (tests and tools).
 
   Args:
@@ -231,12 +262,15 @@ def make(target: tuple[config_lib.Qwen2Config, dict],
     draft: the same for the draft, or None.
     tokenizer: optional tokenizer.
     settings: the load-time choices.
+    ranking: with `settings.draft_vocab`, the draft's ids most frequent
+      first (`prepare`).
 
   Returns:
     The `Bundle`; the given params are left as they were.
   """
   t = prepare(*target, role="target", settings=settings)
-  d = prepare(*draft, role="draft", settings=settings) if draft is not None else None
+  d = (prepare(*draft, role="draft", settings=settings, tokenizer=tokenizer, ranking=ranking)
+       if draft is not None else None)
   return Bundle(t, d, tokenizer)
 
 

@@ -264,14 +264,16 @@ def _stamped_content(out: pathlib.Path) -> Optional[str]:
 
 
 def _prepared_cached(gguf_path: pathlib.Path, sha256: str, dtype: str, role: str,
-                     settings: bundle_lib.Settings, progress: bool) -> bundle_lib.Model:
+                     settings: bundle_lib.Settings, progress: bool,
+                     tokenizer: Any = None) -> bundle_lib.Model:
   """A verified GGUF's model prepared for this host: mapped from its prepared file, or made and kept.
 
   The prepared file is trusted as the converted one is: while its stamp
   vouches for its bytes, and only for the key it was made for (the
   converted file's bytes, the storage, the settings, this host's kernels and jspec's
   code). One that cannot be read is rebuilt; one that cannot be written is
-  skipped with a warning (it only saves time).
+  skipped with a warning (it only saves time). `tokenizer` is what
+  `bundle.prepare` counts a draft's vocabulary ranking with.
   """
   out = prepared_path(gguf_path, dtype, role, settings)
   # Made from the converted file's bytes: a rebuilt converted file (damaged,
@@ -288,7 +290,7 @@ def _prepared_cached(gguf_path: pathlib.Path, sha256: str, dtype: str, role: str
   stamp = f"prepared:{file_key}"
   params = model.params_from_tensors(cfg, tensors)
   del tensors
-  prepared = bundle_lib.prepare(cfg, params, role, settings, consume=True)
+  prepared = bundle_lib.prepare(cfg, params, role, settings, consume=True, tokenizer=tokenizer)
   try:
     with fetch.FileLock(out):
       _discard(out)
@@ -566,18 +568,21 @@ def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
     if source is not None:
       _convert_cached(path, source.sha256, dtypes[role], progress)
 
-  def prepared(source, path, role):
+  def prepared(source, path, role, tok=None):
     dtype = dtypes[role]
+    # draft_vocab is the draft's alone: the target's file stays the one other loads share.
+    own = settings if role == "draft" else dataclasses.replace(
+        settings, draft_vocab=bundle_lib.Settings().draft_vocab)
     if source:
-      return _prepared_cached(path, source.sha256, dtype, role, settings, progress)
+      return _prepared_cached(path, source.sha256, dtype, role, own, progress, tok)
     cfg, tensors = _model(path, dtype, progress)
     params = model.params_from_tensors(cfg, tensors)
     del tensors
-    return bundle_lib.prepare(cfg, params, role, settings, consume=True)
+    return bundle_lib.prepare(cfg, params, role, own, consume=True, tokenizer=tok)
 
   t_model = prepared(t_source, t_path, "target")
-  d_model = prepared(d_source, d_path, "draft") if d_path is not None else None
   if isinstance(tok, concurrent.futures.Future):
     tok = tok.result()
+  d_model = prepared(d_source, d_path, "draft", tok) if d_path is not None else None
   bundle = bundle_lib.Bundle(t_model, d_model, tok)
   return bundle if mesh is None else mesh_lib.shard(bundle, mesh)

@@ -331,6 +331,9 @@ class Qwen2(nnx.Module):
     self.head = None if cfg.tie_word_embeddings else Linear(init.table(cfg.vocab_size,
                                                                        cfg.hidden_size))
     self.greedy_head = Derived(None)  # a `greedy_head.GreedyHead` of the head, when prepared
+    # A draft's head cut to a frequent subset of the vocabulary (`jspec.draft_vocab`):
+    self.vocab_ids = Derived(None)  # [K] int32 ascending ids it keeps
+    self.vocab_head = Derived(None)  # a weight leaf [D, K]: the head's rows of those ids
     self.cfg = cfg
 
   def __call__(self, tokens, cache: cache_lib.KVCache, logits_at: Optional[jax.Array] = None, *,
@@ -355,7 +358,10 @@ class Qwen2(nnx.Module):
     head = head_of(self)  # [D, V]
     bound = self.greedy_head.get_value()
     b, t_out, d = x.shape
-    if greedy and bound is not None and greedy_head.applies(b * t_out, head, backend.kernels):
+    if self.vocab_head.get_value() is not None:
+      logits = subset_logits(x, self.vocab_head.get_value(), self.vocab_ids.get_value(),
+                             self.cfg.vocab_size)
+    elif greedy and bound is not None and greedy_head.applies(b * t_out, head, backend.kernels):
       logits = greedy_head.logits(x.reshape(b * t_out, d), head.p, bound,
                                   vocab_limit).reshape(b, t_out, -1)
     else:
@@ -408,6 +414,29 @@ class Qwen2(nnx.Module):
     # new_k, new_v: [L, B, T, K, H]
     return x, cache_lib.write_chunks(k_buf, new_k, starts), cache_lib.write_chunks(v_buf, new_v,
                                                                                    starts)
+
+
+def subset_logits(x: jax.Array, head: weights.Leaf, ids: jax.Array, vocab: int) -> jax.Array:
+  """Logits over the whole vocabulary from a head that holds only some ids' rows; -inf elsewhere.
+
+  A draft with a frequency-ranked vocabulary (`jspec.draft_vocab`) reads
+  K rows of its head, not V. Putting its logits back at their ids, with
+  -inf at every other id, makes q exactly zero outside the subset (a
+  valid distribution, so acceptance keeps the output the target's) and
+  lets every consumer keep indexing logits by token id.
+
+  Args:
+    x: [B, T, D] normed hidden states.
+    head: the kept rows, a weight leaf of logical shape [D, K].
+    ids: [K] int32 the ids of those rows.
+    vocab: V.
+
+  Returns:
+    [B, T, V] float32.
+  """
+  part = weights.dot(x, head, out_dtype=jnp.float32).astype(jnp.float32)  # [B, T, K]
+  full = jnp.full((*part.shape[:-1], vocab), -jnp.inf, jnp.float32)  # [B, T, V]
+  return full.at[..., ids].set(part, unique_indices=True, indices_are_sorted=True)
 
 
 def _scannable(model: Qwen2, backend: Backend) -> bool:
