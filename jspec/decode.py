@@ -366,8 +366,10 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
   samp = _sampling(spec, knobs)
   tcache = cache_lib.init(spec.target.cfg, b, width, spec.target.backend.dtype,
                           spec.target.placement)
+  per_row = spec.target.placement is None  # on a mesh the rows are split over devices
   logits, tcache = encode(
-      lambda *a, **k: _target_forward(target_params, spec, *a, **k), tcache, prompt, prompt_len)
+      lambda *a, **k: _target_forward(target_params, spec, *a, **k), tcache, prompt, prompt_len,
+      per_row=per_row)
   p = sampling.probs(logits, samp)
   first = sampling.sample(jax.random.fold_in(key, 0), p, samp)  # [B]
   tokens = jnp.zeros((b, width), jnp.int32).at[:, :p_width].set(prompt)
@@ -378,7 +380,7 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
     dcache = cache_lib.init(spec.draft.cfg, b, width, spec.draft.backend.dtype,
                             spec.draft.placement)
     _, dcache = encode(lambda *a, **k: model.forward(spec.draft, draft_params, *a, **k), dcache,
-                       prompt, prompt_len)
+                       prompt, prompt_len, per_row=per_row)
 
   g = spec.gamma_max
   zeros = jnp.zeros((b,), jnp.int32)
@@ -417,13 +419,16 @@ def _placed(spec: Spec, state: State) -> State:
 
 
 def encode(forward, cache: cache_lib.KVCache, prompt: jax.Array, prompt_len: jax.Array,
-           chunk: int = PREFILL_CHUNK):
+           chunk: int = PREFILL_CHUNK, per_row: bool = False):
   """Runs the prompts through a model in fixed-size chunks, inside one loop.
 
   The loop runs only as many chunks as the longest prompt fills, so a
   prompt costs its own length (rounded up to a chunk), and one compiled
   program serves every prompt length that fits the buffer
-  (docs/decisions.md, "Chunked prefill").
+  (docs/decisions.md, "Chunked prefill"). With `per_row`, a batch runs one
+  row at a time, each as far as its own prompt: prefill is compute-bound,
+  so a batch then costs the sum of its prompts, not B times the longest
+  (docs/decisions.md, "Serving batches").
 
   Args:
     forward: `model.forward` of the model, its arch and params bound:
@@ -433,11 +438,15 @@ def encode(forward, cache: cache_lib.KVCache, prompt: jax.Array, prompt_len: jax
       (or smaller than it).
     prompt_len: [B] int32 real prompt lengths (1..P).
     chunk: static tokens per forward.
+    per_row: static; run the rows one after another (one device only: on
+      a mesh the rows are split over devices).
 
   Returns:
     (logits [B, V] float32 at each row's last prompt token, the cache
     holding each row's prompt).
   """
+  if per_row and prompt.shape[0] > 1:
+    return _encode_rows(forward, cache, prompt, prompt_len, chunk)
   b, p_width = prompt.shape
   chunk = min(chunk, p_width)
   if p_width % chunk:
@@ -460,6 +469,40 @@ def encode(forward, cache: cache_lib.KVCache, prompt: jax.Array, prompt_len: jax
 
   chunks = (jnp.max(prompt_len) + chunk - 1) // chunk
   logits, cache = jax.lax.fori_loop(1, chunks, body, (logits[:, 0], cache))
+  return logits, cache_lib.with_lengths(cache, prompt_len)
+
+
+def _encode_rows(forward, cache: cache_lib.KVCache, prompt: jax.Array, prompt_len: jax.Array,
+                 chunk: int):
+  """`encode` of each row alone, written into the batch's cache (same args and returns).
+
+  A row's forward is the batched one's with one row: the kernels, the norms
+  and attention compute each row the same whatever the others are, so the
+  logits and the cache are bit for bit the batched prefill's.
+  """
+  b = prompt.shape[0]
+
+  def one(r, cache):  # row r alone: its prompt [1, P] and its slice of the cache
+    row_cache = cache_lib.KVCache(
+        k=jax.lax.dynamic_slice_in_dim(cache.k, r, 1, axis=1),
+        v=jax.lax.dynamic_slice_in_dim(cache.v, r, 1, axis=1),
+        lengths=jax.lax.dynamic_slice_in_dim(cache.lengths, r, 1))
+    return encode(forward, row_cache, jax.lax.dynamic_slice_in_dim(prompt, r, 1),
+                  jax.lax.dynamic_slice_in_dim(prompt_len, r, 1), chunk)
+
+  logits_shape = jax.eval_shape(one, 0, cache)[0]  # [1, V]
+  logits = jnp.zeros((b,) + logits_shape.shape[1:], logits_shape.dtype)  # [B, V]
+
+  def body(r, carry):
+    logits, cache = carry
+    row_logits, row_cache = one(r, cache)
+    cache = cache_lib.KVCache(
+        k=jax.lax.dynamic_update_slice_in_dim(cache.k, row_cache.k, r, axis=1),
+        v=jax.lax.dynamic_update_slice_in_dim(cache.v, row_cache.v, r, axis=1),
+        lengths=cache.lengths)
+    return jax.lax.dynamic_update_slice_in_dim(logits, row_logits, r, axis=0), cache
+
+  logits, cache = jax.lax.fori_loop(0, b, body, (logits, cache))
   return logits, cache_lib.with_lengths(cache, prompt_len)
 
 

@@ -373,8 +373,8 @@ def test_temperature_top_p_and_min_confidence_are_data_not_new_programs(kind, se
     assert got[0].token_ids != got[1].token_ids
 
 
-@pytest.mark.parametrize("chunk", [8, 32])
-def test_a_chunked_prefill_equals_one_forward_over_the_prompt(chunk):
+@pytest.mark.parametrize("chunk,per_row", [(8, False), (32, False), (8, True)])
+def test_a_chunked_prefill_equals_one_forward_over_the_prompt(chunk, per_row):
   # Rows of 5, 32 and 17 tokens in a 32-wide buffer: with chunks of 8 the
   # rows end in different chunks (and padding is written past them).
   bundle = tiny.pair(15, draft_int8=False)
@@ -383,13 +383,36 @@ def test_a_chunked_prefill_equals_one_forward_over_the_prompt(chunk):
   prompt = jnp.asarray([tiny.prompt(i, 32) for i in range(3)]) * (
       jnp.arange(32)[None] < lengths[:, None])
   fwd = lambda *a, **k: model.forward(m.arch, m.params, *a, **k)
-  logits, cache = decode.encode(fwd, cache_lib.init(m.cfg, 3, 40), prompt, lengths, chunk)
+  logits, cache = decode.encode(fwd, cache_lib.init(m.cfg, 3, 40), prompt, lengths, chunk,
+                                per_row=per_row)
   whole, fresh = fwd(prompt, cache_lib.init(m.cfg, 3, 40), (lengths - 1)[:, None])
   np.testing.assert_array_equal(cache.lengths, lengths)
   chex.assert_trees_all_close(logits, whole[:, 0], atol=1e-5)
   for row, n in enumerate(lengths.tolist()):
     chex.assert_trees_all_close((cache.k[:, row, :n], cache.v[:, row, :n]),
                                 (fresh.k[:, row, :n], fresh.v[:, row, :n]), atol=1e-5)
+
+
+def test_a_batch_prefilled_row_by_row_is_bit_for_bit_each_row_prefilled_alone():
+  # A batch's row then computes exactly what a single request of that
+  # prompt computes (the same chunks, the same shapes), and costs its own
+  # length, not the longest row's.
+  bundle = tiny.pair(15)
+  m = bundle.target
+  lengths = [5, 32, 17, 1]
+  prompt = np.asarray([tiny.prompt(i, 32) for i in range(4)]) * (
+      np.arange(32)[None] < np.asarray(lengths)[:, None])
+  fwd = lambda *a, **k: model.forward(m.arch, m.params, *a, **k)
+  encode = jax.jit(decode.encode, static_argnums=(0, 4), static_argnames="per_row")
+  logits, cache = encode(fwd, cache_lib.init(m.cfg, 4, 40), prompt, np.asarray(lengths), 8,
+                         per_row=True)
+  np.testing.assert_array_equal(cache.lengths, lengths)
+  for row, n in enumerate(lengths):
+    one_logits, one = encode(fwd, cache_lib.init(m.cfg, 1, 40), prompt[row:row + 1],
+                             np.asarray([n]), 8)
+    np.testing.assert_array_equal(logits[row], one_logits[0])
+    np.testing.assert_array_equal(cache.k[:, row, :n], one.k[:, 0, :n])
+    np.testing.assert_array_equal(cache.v[:, row, :n], one.v[:, 0, :n])
 
 
 def test_a_ready_request_compiles_nothing_on_the_way_to_its_tokens(caplog):
