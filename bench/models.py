@@ -159,7 +159,8 @@ def checkpoint_files(model: str, dtype: str = "float32") -> tuple[str, str]:
 
 
 def load(model: str, target: Optional[str], draft: Optional[str], dtype: Optional[str],
-         random_weights: bool, smoke: bool, float_draft: bool = False) -> Loaded:
+         random_weights: bool, smoke: bool, float_draft: bool = False,
+         draft_vocab: Optional[int] = None) -> Loaded:
   """Loads (or builds) the pair a run measures.
 
   Args:
@@ -172,12 +173,16 @@ def load(model: str, target: Optional[str], draft: Optional[str], dtype: Optiona
     smoke: tiny random models.
     float_draft: also prepare the draft with its float weights
       (`Loaded.float_bundle`).
+    draft_vocab: `jspec.Settings.draft_vocab` for the run's draft (None:
+      the Settings default; 0: the whole vocabulary).
 
   Returns:
     The loaded models.
   """
   t0 = time.perf_counter()
   settings = bundle_lib.Settings()
+  if draft_vocab is not None:
+    settings = dataclasses.replace(settings, draft_vocab=draft_vocab)
   float_dtype = dtype if dtype not in (None, "exact") else "float32"  # random weights, float draft
   f_draft = None
   if smoke or random_weights:

@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store the target in int8 with a scale per output (lossy: the output is "
                    "no longer exactly the checkpoint's model; for float32 checkpoints, which "
                    "exact storage cannot shrink)")
+  gen.add_argument("--draft-vocab", type=_number(int), default=0, metavar="K",
+                   help="draft from the K most frequent tokens only (the draft's head keeps their rows and "
+                   "the special tokens': a cheaper draft step; the output is the target's either "
+                   "way) (default: 0, the whole vocabulary)")
   gen.add_argument("--float-draft", action="store_true",
                    help="draft with the draft's float weights (default on CPU: int8, about half "
                    "the cost per draft step; the output is the target's either way)")
@@ -175,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store the target in int8 with a scale per output (lossy: the output is "
                    "no longer exactly the checkpoint's model; for float32 checkpoints, which "
                    "exact storage cannot shrink)")
+  srv.add_argument("--draft-vocab", type=_number(int), default=0, metavar="K",
+                   help="draft from the K most frequent tokens only (the draft's head keeps their rows and "
+                   "the special tokens': a cheaper draft step; the output is the target's either "
+                   "way) (default: 0, the whole vocabulary)")
   srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
   srv.add_argument("--port", type=_number(int), default=8000, help="port (default: 8000; 0: any)")
   srv.add_argument("--max-queue", type=_number(int), default=64, metavar="N",
@@ -260,8 +268,14 @@ def _load(args, opts: options_lib.Options) -> tuple[Any, str, Optional[str]]:
     raise UsageError(f"--method {opts.method} needs a draft model: pass --draft-model PATH with "
                      f"{'--target' if args.target else '--model'} {target}, or use "
                      "--method prompt_lookup or --method target")
-  settings = bundle_lib.Settings(draft_int8=False if args.float_draft else None,
-                                 target_int8=args.target_int8)
+  if args.draft_vocab and not opts.uses_draft:
+    raise UsageError(f"--draft-vocab is not used by --method {opts.method} (it runs no draft "
+                     "model): drop it, or use --method model or lookup_model")
+  try:
+    settings = bundle_lib.Settings(draft_int8=False if args.float_draft else None,
+                                   target_int8=args.target_int8, draft_vocab=args.draft_vocab)
+  except ValueError as e:
+    raise UsageError(f"--draft-vocab: {e}") from None
   if args.target_int8:
     print("jspec: --target-int8: the target is quantized (lossy); its output is not exactly "
           "the checkpoint's model", file=sys.stderr)
@@ -318,7 +332,8 @@ def _generate(args) -> int:
     result = api.generate(bundle, text, opts)
     settings = {**dataclasses.asdict(opts), "target": target, "draft_model": draft,
                 "dtype": args.dtype, "chat": args.chat, "float_draft": args.float_draft,
-                "target_int8": args.target_int8, "mesh": args.mesh}
+                "target_int8": args.target_int8, "draft_vocab": args.draft_vocab,
+                "mesh": args.mesh}
     print(json.dumps(_finite({"text": result.text, "token_ids": result.token_ids,
                               "stats": result.stats, "settings": settings}),
                      ensure_ascii=False, allow_nan=False))
