@@ -21,6 +21,14 @@ holds jspec's program store too), so:
 `second`, `same-bucket` and `new-bucket` run `--reps` times, alternating, and
 the table shows medians. The JSON is written atomically after every process.
 docs/decisions.md, "Fast start", cites the figures.
+
+    python -m bench.tools.first_token --against REV [--reps 4] [--out F.json]
+
+instead compares this checkout with git revision REV (a temporary worktree)
+on the `second` prompt: each side gets a cache of its own (links to the
+converted files, its own prepared files and compiled programs, since both
+are keyed by the code), one untimed process each to fill it, then `--reps`
+processes each, alternating, so that both see the same host.
 """
 
 from __future__ import annotations
@@ -89,6 +97,66 @@ def _prepared_files() -> list[pathlib.Path]:
   return out
 
 
+def _side_cache(root: pathlib.Path, name: str) -> pathlib.Path:
+  """A cache directory that links to the converted files of the real one, and holds nothing else."""
+  from jspec import fetch  # pylint: disable=import-outside-toplevel
+  cache = root / f"cache-{name}"
+  cache.mkdir()
+  for path in fetch.cache_dir().iterdir():
+    if "prepared" not in path.name and path.name not in ("xla", "llamacpp"):
+      (cache / path.name).symlink_to(path)
+  return cache
+
+
+def _against(rev: str, reps: int, max_new: int, out: pathlib.Path) -> int:
+  """`--against REV`: this checkout and REV alternated on the `second` prompt (see the docstring)."""
+  here = pathlib.Path(__file__).resolve().parents[2]
+  runs: list[dict] = []
+  result = {"command": f"python -m bench.tools.first_token --against {rev} --reps {reps}",
+            "date": time.strftime("%Y-%m-%d %H:%M"), "loadavg_before": os.getloadavg(),
+            "runs": runs}
+  with tempfile.TemporaryDirectory(prefix="jspec-ab-") as tmp:
+    root = pathlib.Path(tmp)
+    subprocess.run(["git", "-C", str(here), "worktree", "add", "--detach", "-q",
+                    str(root / "tree"), rev], check=True)
+    try:
+      sides = {"this": (here, _side_cache(root, "this")),
+               rev: (root / "tree", _side_cache(root, "rev"))}
+      order = list(sides) + [name for i in range(reps)
+                             for name in (list(sides) if i % 2 == 0 else list(sides)[::-1])]
+      for i, name in enumerate(order):
+        tree, cache = sides[name]
+        env = {**os.environ, "JSPEC_CACHE": str(cache)}
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        launched = time.time()
+        proc = subprocess.run([sys.executable, "-c", _CHILD, repr(launched), PROMPTS["second"],
+                               str(max_new)], cwd=tree, env=env, capture_output=True, text=True,
+                              check=False)
+        if proc.returncode:
+          print(proc.stderr[-3000:], file=sys.stderr)
+          return 1
+        run = {"side": name, "warm_up": i < len(sides), "loadavg": os.getloadavg()[0],
+               **json.loads(proc.stdout.strip().splitlines()[-1])}
+        runs.append(run)
+        print(f"{name:12s} {'(filling its cache) ' if run['warm_up'] else ''}first token "
+              f"{run['to_first_token_s']:6.2f} s  (import {run['import_s']:.2f}, load "
+              f"{run['load_s']:.2f}, to the first token after load {run['stream_to_first_s']:.2f}, "
+              f"prefill {run['prefill_s']:.2f}; load avg {run['loadavg']:.1f})", flush=True)
+        _write(out, result)
+    finally:
+      subprocess.run(["git", "-C", str(here), "worktree", "remove", "--force", str(root / "tree")],
+                     check=False)
+  timed = [r for r in runs if not r["warm_up"]]
+  result["ids_equal"] = len({tuple(r["ids"]) for r in timed}) == 1
+  result["medians"] = {name: {key: statistics.median(r[key] for r in timed if r["side"] == name)
+                              for key in ("to_first_token_s", "import_s", "load_s",
+                                          "stream_to_first_s", "prefill_s")}
+                       for name in sides}
+  _write(out, result)
+  print(json.dumps(result["medians"], indent=1))
+  return 0
+
+
 def main(argv=None) -> int:
   """Runs the processes and prints a table of medians.
 
@@ -104,10 +172,18 @@ def main(argv=None) -> int:
   parser.add_argument("--max-new-tokens", type=int, default=16)
   parser.add_argument("--keep-prepared", action="store_true",
                       help="keep the prepared files (the first process then only compiles)")
-  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results/first_token.json"))
+  parser.add_argument("--against", metavar="REV",
+                      help="compare this checkout with git revision REV instead")
+  parser.add_argument("--out", type=pathlib.Path, default=None,
+                      help="the JSON (default bench/results/first_token.json, "
+                      "first_token_against.json with --against)")
   args = parser.parse_args(argv)
   if args.reps < 1 or args.max_new_tokens < 1:
     parser.error("--reps and --max-new-tokens must be at least 1")
+  if args.against:
+    return _against(args.against, args.reps, args.max_new_tokens,
+                    args.out or pathlib.Path("bench/results/first_token_against.json"))
+  args.out = args.out or pathlib.Path("bench/results/first_token.json")
   if not args.keep_prepared:
     for path in _prepared_files():
       path.unlink(missing_ok=True)
