@@ -24,7 +24,7 @@ import pathlib
 import struct
 import sysconfig
 import textwrap
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Iterable, Iterator, Mapping, Optional, Sequence
 
 KINDS = ("code", "chat")
 # Stdlib directories that hold tests, demos or vendored trees, not library code.
@@ -94,19 +94,34 @@ def _function_prompt(lines: list[str], node: ast.AST, owner: Optional[ast.ClassD
   return segment + "\n"
 
 
-@functools.lru_cache(maxsize=4)
-def _all_code_prompts(root: str) -> tuple[Prompt, ...]:
-  """Every usable function of the stdlib under `root`, in path and line order."""
-  base = pathlib.Path(root)
-  out = []
+def stdlib_sources(root: Optional[pathlib.Path] = None) -> Iterator[tuple[pathlib.PurePath, str]]:
+  """The standard library's Python sources, tests and tool directories left out, in path order.
+
+  Args:
+    root: the library's directory (None: this interpreter's).
+
+  Yields:
+    (path relative to the root, the file's text); unreadable files are skipped.
+  """
+  base = pathlib.Path(root or _stdlib_root())
   for path in sorted(base.rglob("*.py")):
     rel = path.relative_to(base)
     if any(part in _SKIP_DIRS for part in rel.parts) or path.name.startswith("test_"):
       continue
     try:
-      source = path.read_text(encoding="utf-8")
+      yield rel, path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+      continue
+
+
+@functools.lru_cache(maxsize=4)
+def _all_code_prompts(root: str) -> tuple[Prompt, ...]:
+  """Every usable function of the stdlib under `root`, in path and line order."""
+  out = []
+  for rel, source in stdlib_sources(pathlib.Path(root)):
+    try:
       tree = ast.parse(source)
-    except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+    except (SyntaxError, ValueError):
       continue
     lines = source.splitlines()
     for top in tree.body:

@@ -45,7 +45,7 @@ def check(k: Any, vocab: Optional[int] = None) -> Optional[int]:
   Raises:
     ValueError: not a non-negative int, or more than the vocabulary.
   """
-  if k is None or (isinstance(k, int) and not isinstance(k, bool) and k == 0):
+  if k is None or (isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k == 0):
     return None
   if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
     raise ValueError(f"draft_vocab={k!r}: expected a positive int (the draft's head keeps the "
@@ -116,15 +116,8 @@ def corpus(root: Optional[pathlib.Path] = None) -> Iterable[str]:
   Yields:
     One text per file or instruction, in a fixed order.
   """
-  base = pathlib.Path(root or distill_data._stdlib_root())  # pylint: disable=protected-access
-  for path in sorted(base.rglob("*.py")):
-    rel = path.relative_to(base)
-    if any(part in distill_data._SKIP_DIRS for part in rel.parts) or path.name.startswith("test_"):  # pylint: disable=protected-access
-      continue
-    try:
-      yield path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-      continue
+  for _, source in distill_data.stdlib_sources(root):
+    yield source
   yield from distill_data.CHAT
 
 

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 _CHILD = r"""
 import json, sys, time
@@ -97,6 +98,20 @@ def _prepared_files() -> list[pathlib.Path]:
   return out
 
 
+def _child(prompt: str, max_new: int, env: dict, cwd: Optional[pathlib.Path] = None
+           ) -> Optional[dict]:
+  """One child process to its first token: its phases (and `wall_s`), or None if it failed."""
+  launched = time.time()
+  proc = subprocess.run([sys.executable, "-c", _CHILD, repr(launched), prompt, str(max_new)],
+                        cwd=cwd, env=env, capture_output=True, text=True, check=False)
+  wall = time.time() - launched
+  if proc.returncode:
+    print(proc.stderr[-3000:], file=sys.stderr)
+    return None
+  return {"wall_s": wall, "loadavg": os.getloadavg()[0],
+          **json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
 def _side_cache(root: pathlib.Path, name: str) -> pathlib.Path:
   """A cache directory that links to the converted files of the real one, and holds nothing else."""
   from jspec import fetch  # pylint: disable=import-outside-toplevel
@@ -128,15 +143,10 @@ def _against(rev: str, reps: int, max_new: int, out: pathlib.Path) -> int:
         tree, cache = sides[name]
         env = {**os.environ, "JSPEC_CACHE": str(cache)}
         env.pop("JAX_COMPILATION_CACHE_DIR", None)
-        launched = time.time()
-        proc = subprocess.run([sys.executable, "-c", _CHILD, repr(launched), PROMPTS["second"],
-                               str(max_new)], cwd=tree, env=env, capture_output=True, text=True,
-                              check=False)
-        if proc.returncode:
-          print(proc.stderr[-3000:], file=sys.stderr)
+        child = _child(PROMPTS["second"], max_new, env, cwd=tree)
+        if child is None:
           return 1
-        run = {"side": name, "warm_up": i < len(sides), "loadavg": os.getloadavg()[0],
-               **json.loads(proc.stdout.strip().splitlines()[-1])}
+        run = {"side": name, "warm_up": i < len(sides), **child}
         runs.append(run)
         print(f"{name:12s} {'(filling its cache) ' if run['warm_up'] else ''}first token "
               f"{run['to_first_token_s']:6.2f} s  (import {run['import_s']:.2f}, load "
@@ -199,16 +209,10 @@ def main(argv=None) -> int:
       if kind == "new-bucket":  # each rep's a bucket not seen before: about 40, 80, ... tokens
         rep = order[:i].count("new-bucket")
         prompt = (_LONG * 8)[:150 * 2 ** rep]
-      launched = time.time()
-      proc = subprocess.run([sys.executable, "-c", _CHILD, repr(launched), prompt,
-                             str(args.max_new_tokens)], env=env, capture_output=True, text=True,
-                            check=False)
-      wall = time.time() - launched
-      if proc.returncode:
-        print(proc.stderr[-3000:], file=sys.stderr)
+      child = _child(prompt, args.max_new_tokens, env)
+      if child is None:
         return 1
-      run = {"kind": kind, "wall_s": wall, "loadavg": os.getloadavg()[0],
-             **json.loads(proc.stdout.strip().splitlines()[-1])}
+      run = {"kind": kind, **child}
       runs.append(run)
       print(f"{kind:12s} first token {run['to_first_token_s']:6.2f} s  (import {run['import_s']:.2f}, "
             f"load {run['load_s']:.2f}, programs {run['compile_s']:.2f}, prefill "
