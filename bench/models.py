@@ -34,6 +34,7 @@ from bench import modes as modes_lib
 from bench import shapes
 from jspec import bundle as bundle_lib
 from jspec import model as model_lib
+from jspec import modules
 
 FLOAT_DRAFT = bundle_lib.Settings(draft_int8=False)  # the settings a float-draft mode's draft has
 
@@ -106,14 +107,14 @@ def _numpy_params(cfg, dtype: str, seed: int, scale: float, norm: float = 1.0):
   Returns:
     A params tree of the structure and shapes `model.init_params` gives.
   """
-  module = model_lib.Qwen2(cfg, rngs=None)  # shapes only
+  module = modules.Qwen2(cfg, rngs=None)  # shapes only
   rng = np.random.default_rng(seed)
 
   def draw(shape, offset: float = 0.0) -> jax.Array:
     return jnp.asarray(scale * rng.standard_normal(shape, np.float32) + offset, jnp.dtype(dtype))
 
   for _, node in nnx.iter_graph(module):
-    if isinstance(node, model_lib.RMSNorm):
+    if isinstance(node, modules.RMSNorm):
       node.scale.set_value(draw(node.scale.get_value().shape, norm))
   params = model_lib.params_of(module)
   return jax.tree.map(lambda leaf: draw(leaf.shape) if isinstance(leaf, jax.ShapeDtypeStruct)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-import flax.struct
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -20,7 +20,7 @@ from convert import config as config_lib
 from jspec import sharding
 
 
-@flax.struct.dataclass
+@chex.dataclass(frozen=True, mappable_dataclass=False)
 class KVCache:
   """Keys and values of every layer, for every row.
 

@@ -3,9 +3,9 @@
     attend(q [B, T, N, H], k_new, v_new [B, T, K, H], k_buf, v_buf [L, B, S, K, H],
            layer [], starts [B]) -> [B, T, N, H]
 
-What `jspec.model.Attention` computes once the chunk is written into the
+What `jspec.modules.Attention` computes once the chunk is written into the
 cache, with the cache only read: inside the loop over layers
-(`model.Qwen2._scan_layers`) XLA copied and transposed each layer's keys and
+(`modules.Qwen2._scan_layers`) XLA copied and transposed each layer's keys and
 values out of the stacked cache for its dots, where this kernel reads each
 row where it lies (docs/decisions.md, "Attention kernel"). It is built into the library of `jspec.cpu_kernels`.
 """

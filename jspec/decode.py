@@ -30,7 +30,6 @@ import functools
 from typing import Optional
 
 import chex
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,7 +133,7 @@ class Spec:
                  min_confidence=np.asarray(self.min_confidence, np.float32))
 
 
-@flax.struct.dataclass
+@chex.dataclass(frozen=True, mappable_dataclass=False)
 class Knobs:
   """Settings the decode programs take as data, so that changing them compiles nothing.
 
@@ -149,7 +148,7 @@ class Knobs:
   min_confidence: jax.Array
 
 
-@flax.struct.dataclass
+@chex.dataclass(frozen=True, mappable_dataclass=False)
 class State:
   """What the decode loop carries from round to round.
 

@@ -781,21 +781,6 @@ def _combine(params: Any, trainable: Any, recipe: Recipe) -> Any:
   return params
 
 
-class _Adapted(model.Linear):
-  """A `model.Linear` plus a low-rank update: y = x W (+ b) + alpha / R * (x A) B."""
-
-  def __init__(self, base: model.Linear, a: jax.Array, b: jax.Array, scale: float):
-    self.w = base.w
-    self.b = base.b
-    self.lora_a = a  # [I, R]
-    self.lora_b = b  # [R, O]
-    self.scale = scale
-
-  def __call__(self, x: jax.Array) -> jax.Array:  # [..., I] -> [..., O]
-    low = jnp.einsum("...i,ir->...r", x, self.lora_a)
-    return super().__call__(x) + self.scale * jnp.einsum("...r,ro->...o", low, self.lora_b)
-
-
 def draft_logits(cfg: config_lib.Qwen2Config, params: Any, trainable: Any, recipe: Recipe,
                  tokens: jax.Array, at: jax.Array) -> jax.Array:
   """The draft's logits at positions `at` of whole sequences, differentiable in `trainable`.
@@ -813,11 +798,13 @@ def draft_logits(cfg: config_lib.Qwen2Config, params: Any, trainable: Any, recip
   """
   module = model.merge(cfg, _combine(params, trainable, recipe))
   if recipe.train == "lora":
+    # Imported here: `import jspec` does not import flax (`jspec.model`).
+    from jspec import modules  # pylint: disable=import-outside-toplevel
     scale = recipe.lora_alpha / recipe.lora_rank
     for name, ab in trainable.items():
       layer, group, mat = name.split("/")
       parent = getattr(module.layers[int(layer)], group)
-      setattr(parent, mat, _Adapted(getattr(parent, mat), ab["a"], ab["b"], scale))
+      setattr(parent, mat, modules.LowRankLinear(getattr(parent, mat), ab["a"], ab["b"], scale))
   b, t = tokens.shape
   cache = cache_lib.init(cfg, b, t)
   logits, _ = module(tokens, cache, at, backend=model.Backend(), fresh=True)

@@ -4,7 +4,7 @@ The draft's output head is a large share of its bytes and of its step
 (docs/decisions-compact.md), and most of its rows are tokens the output
 rarely holds. With `jspec.Settings(draft_vocab=K)` the draft keeps the head
 rows of the K most frequent ids (and every special id), its logits
-elsewhere are -inf (`jspec.model.Qwen2`), so q is zero outside the subset:
+elsewhere are -inf (`jspec.modules.Qwen2`), so q is zero outside the subset:
 still a distribution, and rejection sampling against the target's p keeps
 the output exactly the target's (Zhao et al. 2025, "FR-Spec").
 

@@ -33,7 +33,8 @@ computes the full head instead, so the result is exact every time.
 
 from __future__ import annotations
 
-import flax.struct
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,7 +56,8 @@ def _gamma(k: int) -> float:
   return k * _U / (1 - k * _U)
 
 
-@flax.struct.dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class GreedyHead:
   """The int8 copy of a float32 head and each token's error bound (`make`).
 

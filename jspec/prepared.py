@@ -99,7 +99,7 @@ def _describe(tree: Any, name: str, arrays: dict[str, np.ndarray]) -> Any:
     fields, static = {}, {}
     for f in dataclasses.fields(tree):
       value = getattr(tree, f.name)
-      if f.metadata.get("pytree_node", True):
+      if not f.metadata.get("static", False):  # `jax.tree_util.register_dataclass`
         fields[f.name] = _describe(value, f"{name}:{f.name}", arrays)
       else:
         static[f.name] = value

@@ -76,8 +76,9 @@ def _register_pytrees() -> None:
   """Lets `Exported` name jspec's pytree nodes in its calling convention."""
   for cls in (decode.State, decode.Knobs, cache_lib.KVCache, greedy_head.GreedyHead,
               *weights.LEAVES):
-    # flax struct dataclasses flatten with their static fields as auxdata
-    # (plain numbers here), kept as JSON.
+    # Their auxdata is JSON: registered dataclasses (`weights`, `greedy_head`)
+    # carry their static fields' values (plain numbers), chex dataclasses
+    # (`decode`, `cache`) their field names.
     export.register_pytree_node_serialization(
         cls, serialized_name=f"jspec.{cls.__name__}",
         serialize_auxdata=lambda aux: json.dumps(list(aux)).encode(),

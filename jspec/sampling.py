@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -84,7 +83,8 @@ class Sampling:
                   nucleus=self.nucleus, vocab_limit=self.vocab_limit)
 
 
-@flax.struct.dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Traced:
   """Sampling settings inside a compiled program: the structure static, temperature and top_p data.
 
@@ -96,10 +96,10 @@ class Traced:
 
   temperature: jax.Array
   top_p: jax.Array
-  greedy: bool = flax.struct.field(pytree_node=False, default=False)
-  top_k: int = flax.struct.field(pytree_node=False, default=0)
-  nucleus: bool = flax.struct.field(pytree_node=False, default=False)
-  vocab_limit: int | None = flax.struct.field(pytree_node=False, default=None)
+  greedy: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  top_k: int = dataclasses.field(default=0, metadata=dict(static=True))
+  nucleus: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  vocab_limit: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def _limit(logits: jax.Array, s: Sampling | Traced) -> jax.Array:

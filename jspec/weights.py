@@ -27,9 +27,9 @@ Axis letters in shape comments: I inputs, O outputs, V vocabulary, D width.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence, Union
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +39,8 @@ from jspec import cpu_kernels
 PANEL = cpu_kernels.PANEL
 
 
-@flax.struct.dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Dense:
   """A float matrix stored [I, O], multiplied by XLA's dot."""
 
@@ -50,7 +51,8 @@ class Dense:
     return tuple(self.w.shape)
 
 
-@flax.struct.dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Table:
   """A float matrix stored [O, I]: a token table (embedding or head), read by rows."""
 
@@ -61,7 +63,8 @@ class Table:
     return (self.t.shape[1], self.t.shape[0])
 
 
-@flax.struct.dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Panels:
   """A float matrix stored as jspec's kernel panels: [O/32, I, 32], each panel contiguous."""
 
@@ -73,7 +76,8 @@ class Panels:
     return (i, n * width)
 
 
-@flax.struct.dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Int8:
   """An int8 matrix stored [O, I] with one float32 scale per output (the int8 draft)."""
 
@@ -85,21 +89,23 @@ class Int8:
     return (self.q.shape[1], self.q.shape[0])
 
 
-@flax.struct.dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Int8Panels:
   """`Int8` stored for jspec's int8 kernel (`cpu_kernels.pack_int8`)."""
 
   panels: Any  # [O/32, ceil(I/4), 32, 4] int8 (or a `cpu_kernels.LayerPick`)
   sums: jax.Array  # [O] int32, each output's sum of q
   scale: jax.Array  # [O] float32
-  inputs: int = flax.struct.field(pytree_node=False, default=0)  # I (panels pad it to 4)
+  inputs: int = dataclasses.field(default=0, metadata=dict(static=True))  # I (panels pad it to 4)
 
   @property
   def shape(self) -> tuple[int, int]:
     return (self.inputs, self.sums.shape[0])
 
 
-@flax.struct.dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Blocks:
   """A matrix as the checkpoint stores it: int8 values, a float32 scale (and offset) per block.
 
@@ -119,7 +125,8 @@ class Blocks:
     return (i, n * width)
 
 
-@flax.struct.dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class BF16Panels:
   """A bfloat16 matrix as kernel panels, widened to float32 exactly when multiplied."""
 

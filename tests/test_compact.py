@@ -28,6 +28,7 @@ from jspec import bundle as bundle_lib
 from jspec import cache as cache_lib
 from jspec import cpu_kernels
 from jspec import model
+from jspec import modules
 from jspec import weights
 
 # Every matrix type gguf can write that int8 blocks hold, F16 and BF16 beside them.
@@ -209,7 +210,7 @@ def test_a_compact_target_in_one_layer_loop_with_mixed_k_quants(make_hf_model, w
   assert exact["layers/0/mlp/down/w"].offset is None is not exact["layers/1/mlp/down/w"].offset
   compact = bundle_lib.prepare(cfg, model.params_from_tensors(cfg, exact))
   plain = bundle_lib.prepare(cfg, model.params_from_tensors(cfg, floats))
-  assert model._scannable(model.merge(cfg, compact.params), compact.backend)  # pylint: disable=protected-access
+  assert modules.scannable(model.merge(cfg, compact.params), compact.backend)
   downs = [compact.params["layers"][i]["mlp"]["down"]["w"] for i in ("0", "1")]
   assert all(w.offset is not None for w in downs)  # one form for the layer loop
   tokens = jnp.asarray(np.random.RandomState(1).randint(0, cfg.vocab_size, (2, 29)), jnp.int32)

@@ -98,7 +98,7 @@ def test_attend_refuses_shapes_that_do_not_fit():
 
 @pytest.mark.slow
 def test_the_layer_loop_attends_with_the_kernel_as_xla_does():
-  # A kernel model's layers run as one loop (`model.Qwen2._scan_layers`)
+  # A kernel model's layers run as one loop (`modules.Qwen2._scan_layers`)
   # whose attention is the kernel's: the same logits and caches as XLA's
   # attention, for a prompt and then a 3-token chunk after it.
   cfg = dataclasses.replace(tiny.PACKABLE_TARGET, num_layers=3)

@@ -26,6 +26,7 @@ from jspec import bundle as bundle_lib
 from jspec import cache as cache_lib
 from jspec import cpu_kernels
 from jspec import model as model_lib
+from jspec import modules
 from jspec import weights
 
 T = 301  # prompt length: positions up to 300 (prime)
@@ -135,11 +136,11 @@ def _np(t):
 
 def _linear(linear):
   bias = None if linear.bias is None else jnp.asarray(_np(linear.bias))
-  return model_lib.Linear(weights.Dense(jnp.asarray(_np(linear.weight).T)), bias)
+  return modules.Linear(weights.Dense(jnp.asarray(_np(linear.weight).T)), bias)
 
 
 def _random(cfg):
-  return model_lib.RandomInit(nnx.Rngs(0), jnp.float32, 0.02)
+  return modules.RandomInit(nnx.Rngs(0), jnp.float32, 0.02)
 
 
 def test_rmsnorm_matches(make_hf_model):
@@ -148,7 +149,7 @@ def test_rmsnorm_matches(make_hf_model):
   x = np.random.default_rng(0).normal(size=(2, 7, 58)).astype(np.float32) * 3
   with torch.no_grad():
     ref = _np(norm(torch.from_numpy(x)))
-  got = model_lib.RMSNorm(jnp.asarray(_np(norm.weight)), hf.config.rms_norm_eps)(jnp.asarray(x))
+  got = modules.RMSNorm(jnp.asarray(_np(norm.weight)), hf.config.rms_norm_eps)(jnp.asarray(x))
   np.testing.assert_allclose(np.asarray(got), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -186,7 +187,7 @@ def test_attention_matches(make_hf_model, kv_heads):
   with torch.no_grad():
     cos_sin = hf.model.rotary_emb(torch.from_numpy(x), torch.from_numpy(positions).long())
     ref, _ = attn(torch.from_numpy(x), cos_sin, mask)
-  module = model_lib.Attention(cfg, _random(cfg))
+  module = modules.Attention(cfg, _random(cfg))
   for name in ("q", "k", "v", "o"):
     setattr(module, name, _linear(getattr(attn, f"{name}_proj")))
   cache = cache_lib.init(cfg, 2, t + 5)
@@ -205,7 +206,7 @@ def test_mlp_matches(make_hf_model):
   x = np.random.default_rng(3).normal(size=(2, 11, cfg.hidden_size)).astype(np.float32)
   with torch.no_grad():
     ref = _np(mlp(torch.from_numpy(x)))
-  module = model_lib.MLP(cfg, _random(cfg))
+  module = modules.MLP(cfg, _random(cfg))
   for name in ("gate", "up", "down"):
     setattr(module, name, _linear(getattr(mlp, f"{name}_proj")))
   got = module(jnp.asarray(x))
@@ -238,7 +239,7 @@ def test_rmsnorm_gives_a_row_the_same_bits_whatever_rows_share_the_call(d):
   # were reduced together (an ulp apart in about a quarter of these rows at
   # the real widths), enough to flip a near tie between the two methods.
   rng = np.random.default_rng(d)
-  norm = model_lib.RMSNorm(jnp.asarray(rng.standard_normal(d).astype(np.float32)), 1e-6)
+  norm = modules.RMSNorm(jnp.asarray(rng.standard_normal(d).astype(np.float32)), 1e-6)
   run = jax.jit(lambda x: norm(x))
   for trial in range(8):
     x = rng.standard_normal((17, d)).astype(np.float32)

@@ -343,3 +343,39 @@ def test_a_second_process_reads_what_the_first_stored(tmp_path):
   assert [r["stored"] for r in runs] == [0, 2]
   assert runs[1]["ids"] == runs[0]["ids"]
   assert all(r["packed"] == r["kernel"] for r in runs)
+
+
+# The first child makes the programs and the prepared files; the second only
+# maps the files and runs the stored programs, as a second `jspec generate`
+# does, and must not import flax on the way (`jspec.model`: it costs a large
+# share of the time to the first token).
+_MAKE = """
+import json, pathlib, sys
+import jspec, tiny
+from jspec import prepared
+bundle = tiny.packable_pair(5)
+prepared.save(pathlib.Path(sys.argv[1], "t.safetensors"), bundle.target, "k" * 64)
+prepared.save(pathlib.Path(sys.argv[1], "d.safetensors"), bundle.draft, "k" * 64)
+print(json.dumps(jspec.generate(bundle, [3, 1, 4, 1, 5], max_new_tokens=9, gamma=2).token_ids))
+"""
+_READY = """
+import json, pathlib, sys
+import jspec
+from jspec import prepared, programs
+t = prepared.load(pathlib.Path(sys.argv[1], "t.safetensors"), "k" * 64)
+d = prepared.load(pathlib.Path(sys.argv[1], "d.safetensors"), "k" * 64)
+ids = jspec.generate(jspec.Bundle(t, d, None), [3, 1, 4, 1, 5], max_new_tokens=9, gamma=2).token_ids
+print(json.dumps({"ids": ids, "stored": programs.PROGRAMS.stored, "flax": "flax" in sys.modules}))
+"""
+
+
+def test_a_ready_process_runs_without_importing_flax(tmp_path):
+  env = {**os.environ, "JSPEC_CACHE": str(tmp_path), "JSPEC_XLA_CACHE": "1",
+         "PYTHONPATH": os.pathsep.join([os.path.dirname(tiny.__file__),
+                                        os.environ.get("PYTHONPATH", "")])}
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  run = lambda code: subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env,
+                                    capture_output=True, text=True, check=True)
+  made = json.loads(run(_MAKE).stdout.strip().splitlines()[-1])
+  ready = json.loads(run(_READY).stdout.strip().splitlines()[-1])
+  assert ready == {"ids": made, "stored": 2, "flax": False}

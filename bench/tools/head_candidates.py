@@ -30,6 +30,7 @@ from jspec import cache as cache_lib
 from jspec import cpu_kernels
 from jspec import greedy_head
 from jspec import model
+from jspec import modules
 from jspec import weights
 
 
@@ -47,7 +48,7 @@ def hidden_states(target: jspec.Model, params, ids: jax.Array, prompt_len: int) 
   """
   module = model.merge(target.cfg, params)
   # An identity head: the "logits" are the normed hidden states.
-  module.head = nnx.data(model.Linear(weights.Dense(jnp.eye(target.cfg.hidden_size,
+  module.head = nnx.data(modules.Linear(weights.Dense(jnp.eye(target.cfg.hidden_size,
                                                             dtype=jnp.float32))))
   n = ids.shape[0] - 1
   cache = cache_lib.init(target.cfg, 1, n, target.backend.dtype)
