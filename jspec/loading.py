@@ -547,7 +547,9 @@ def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
     tok = tokenizer_lib.load(pathlib.Path(tokenizer).expanduser())
   elif t_source and (d_path is None or d_source):
     # Nothing needs it before the bundle is made: read it while the models
-    # load (tokenizers builds its vocabulary without holding the GIL).
+    # map. tokenizers holds the GIL while it builds the vocabulary, so this
+    # overlaps its file reading and little else (docs/decisions.md, "Flax off
+    # the way to the first token").
     pending = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jspec-tok")
     tok = pending.submit(_cached_tokenizer, t_path, t_source.sha256)
     pending.shutdown(wait=False)
