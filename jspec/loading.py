@@ -320,41 +320,58 @@ def _tokenizer_cache_path(gguf_path: pathlib.Path) -> pathlib.Path:
   return gguf_path.with_name(f"{gguf_path.stem}.tokenizer.json")
 
 
-def _tokenizer_digest(saved: dict) -> str:
-  """sha256 of a tokenizer cache's other fields, so that an edit that still parses is caught."""
-  body = {k: v for k, v in saved.items() if k != "content_sha256"}
-  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+# The tokenizer cache: this line, a line of JSON (the GGUF's sha256, the
+# sha256 of what follows it, eos ids, chat template, bos and eos tokens),
+# then the tokenizers JSON as is. A new process reads it on the way to its
+# first token, so its several megabytes are hashed, not parsed or dumped
+# by Python.
+_TOKENIZER_MAGIC = b"jspec-tokenizer 2\n"
+
+
+def _tokenizer_digest(header: dict, backend: bytes) -> str:
+  """sha256 of a tokenizer cache's fields (but its own) and its backend JSON, so that an edit is caught."""
+  body = {k: v for k, v in header.items() if k != "content_sha256"}
+  fields = json.dumps(body, sort_keys=True).encode()
+  return hashlib.sha256(fields + b"\n" + backend).hexdigest()
 
 
 def _read_tokenizer_cache(path: pathlib.Path, sha256: str) -> Optional[tokenizer_lib.Tokenizer]:
   """The cached tokenizer, or None if it is absent, stale, damaged or unreadable."""
   try:
-    saved = json.loads(path.read_text())
+    data = path.read_bytes()
   except FileNotFoundError:
     return None
-  except (OSError, ValueError):
-    saved = None
-  if isinstance(saved, dict) and saved.get("source_sha256") != sha256:
-    return None  # from another GGUF: rebuild quietly
+  except OSError:
+    data = b""
+  head, _, rest = data.partition(b"\n")
+  if data.startswith(b"{"):
+    return None  # the first format, one JSON object: rebuild quietly
   try:
-    if saved.get("content_sha256") != _tokenizer_digest(saved):
+    if head + b"\n" != _TOKENIZER_MAGIC:
+      raise ValueError("not a jspec tokenizer cache")
+    fields, _, backend = rest.partition(b"\n")
+    header = json.loads(fields)
+    if header.get("source_sha256") != sha256:
+      return None  # from another GGUF: rebuild quietly
+    if header.get("content_sha256") != _tokenizer_digest(header, backend):
       raise ValueError("its content does not match its sha256")
     return tokenizer_lib.Tokenizer(
-        tokenizers.Tokenizer.from_str(saved["backend"]), saved["eos_token_ids"],
-        chat_template=saved["chat_template"], bos_token=saved["bos_token"],
-        eos_token=saved["eos_token"])
+        tokenizers.Tokenizer.from_str(backend.decode()), header["eos_token_ids"],
+        chat_template=header["chat_template"], bos_token=header["bos_token"],
+        eos_token=header["eos_token"])
   except Exception:  # pylint: disable=broad-except  (tokenizers raises a bare Exception)
     print(f"jspec: tokenizer cache {path} is unusable; rebuilding", file=sys.stderr)
     return None
 
 
 def _cached_tokenizer(gguf_path: pathlib.Path, sha256: str) -> tokenizer_lib.Tokenizer:
-  """A verified GGUF's tokenizer, kept as JSON beside it.
+  """A verified GGUF's tokenizer, kept beside it as its tokenizers JSON under a header line.
 
   Reading the vocabulary out of GGUF metadata is slow (gguf-py parses each
   of the merges and tokens); the tokenizers JSON loads fast. The file
   records the GGUF's sha256 and the sha256 of its own contents; one that
-  does not match or does not parse is rebuilt. It only saves time: one that
+  does not match or does not parse is rebuilt, and so is one of the first
+  format (a single JSON object), quietly. It only saves time: one that
   cannot be written is skipped.
   """
   path = _tokenizer_cache_path(gguf_path)
@@ -362,13 +379,14 @@ def _cached_tokenizer(gguf_path: pathlib.Path, sha256: str) -> tokenizer_lib.Tok
   if tok is not None:
     return tok
   tok = tokenizer_lib.from_gguf(gguf_path)
-  saved = {"source_sha256": sha256, "eos_token_ids": list(tok.eos_token_ids),
-           "chat_template": tok.chat_template, "bos_token": tok.bos_token,
-           "eos_token": tok.eos_token, "backend": tok.backend.to_str()}
-  saved["content_sha256"] = _tokenizer_digest(saved)
+  header = {"source_sha256": sha256, "eos_token_ids": list(tok.eos_token_ids),
+            "chat_template": tok.chat_template, "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token}
+  backend = tok.backend.to_str().encode()
+  header["content_sha256"] = _tokenizer_digest(header, backend)
   tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
   try:
-    tmp.write_text(json.dumps(saved))
+    tmp.write_bytes(_TOKENIZER_MAGIC + json.dumps(header).encode() + b"\n" + backend)
     if path.is_dir() and not path.is_symlink():
       path.rmdir()  # an empty directory in its place; a full one fails below
     os.replace(tmp, path)  # atomic: a reader sees the old file or the new one

@@ -539,26 +539,39 @@ def test_missing_chunk_package_names_it(fake_pair, monkeypatch):
     jspec.load("fake-pair", progress=False)
 
 
-@pytest.mark.parametrize("damage", ["garbage", "bad-backend", "edited-vocab", "other-gguf"])
+def _tokenizer_cache(path):
+  """(magic line, header dict, backend bytes) of a tokenizer cache file."""
+  magic, header, backend = path.read_bytes().split(b"\n", 2)
+  return magic, json.loads(header), backend
+
+
+@pytest.mark.parametrize("damage", ["garbage", "bad-backend", "edited-vocab", "bad-magic",
+                                    "other-gguf", "first-format"])
 def test_tokenizer_cache_is_rebuilt_unless_it_matches(fake_pair, monkeypatch, capsys, damage):
   first = jspec.load("fake-pair", progress=False)
   path = fake_pair / "fake-target.tokenizer.json"
-  saved = json.loads(path.read_text())
+  saved = path.read_bytes()
+  magic, header, backend = _tokenizer_cache(path)
+  write = lambda h, b, m=magic: path.write_bytes(m + b"\n" + json.dumps(h).encode() + b"\n" + b)
   if damage == "garbage":
-    path.write_text(path.read_text()[:1000])
+    path.write_bytes(saved[:1000])
   elif damage == "bad-backend":
-    path.write_text(json.dumps({**saved, "backend": "{not a tokenizer"}))
+    write(header, b"{not a tokenizer")
   elif damage == "edited-vocab":  # still a valid tokenizer, with "d" and "e" swapped
-    backend = json.loads(saved["backend"])
-    vocab = backend["model"]["vocab"]
+    edited = json.loads(backend)
+    vocab = edited["model"]["vocab"]
     vocab["d"], vocab["e"] = vocab["e"], vocab["d"]
-    path.write_text(json.dumps({**saved, "backend": json.dumps(backend)}))
-  else:
-    path.write_text(json.dumps({**saved, "source_sha256": "0" * 64}))
+    write(header, json.dumps(edited).encode())
+  elif damage == "bad-magic":
+    write(header, backend, b"jspec-tokenizer 9")
+  elif damage == "other-gguf":
+    write({**header, "source_sha256": "0" * 64}, backend)
+  else:  # the first format: one JSON object, the backend as a string in it
+    path.write_text(json.dumps({**header, "backend": backend.decode()}))
   second = jspec.load("fake-pair", progress=False)
   assert second.tokenizer.encode(PROMPT) == first.tokenizer.encode(PROMPT)
-  assert ("unusable" in capsys.readouterr().err) == (damage != "other-gguf")
-  assert json.loads(path.read_text()) == saved
+  assert ("unusable" in capsys.readouterr().err) == (damage not in ("other-gguf", "first-format"))
+  assert path.read_bytes() == saved
   _no_gguf_tokenizer(monkeypatch)
   jspec.load("fake-pair", progress=False)
 
