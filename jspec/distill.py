@@ -36,7 +36,13 @@ greedy-restricted target (a point mass at a*) and the draft's softmax is
 q(a*) is already near the threshold and small where the draft is hopelessly
 wrong, so capacity goes to positions it can flip. Forward KL (-log q(a*),
 cross-entropy) spends its largest gradients on the hopeless positions; JSD
-lies between. With a sampling temperature the same three are computed
+lies between. "margin" (greedy only) is TVD plus the draft's largest
+probability on any other token, 1 - (q(a*) - max_{v != a*} q(v)): the
+confidence policy wastes a draft step and a wider verify wherever the draft
+puts at least `min_confidence` on a token other than a*, and TVD raises
+q(a*) but says nothing against that confident wrong token, which the margin
+term lowers, so a position the draft cannot get right ends drafting instead
+of wasting it. With a sampling temperature the same three are computed
 between the two tempered distributions over the target's top-k tokens and
 the rest's mass (a lower bound of the full divergence); there 1 - TVD is the
 acceptance probability itself (Leviathan et al. 2023).
@@ -82,7 +88,7 @@ try:  # optax only for training: `import jspec` and `jspec generate` work withou
 except ImportError:  # pragma: no cover - optax is in the test extra
   optax = None
 
-LOSSES = ("tvd", "fkl", "jsd")
+LOSSES = ("tvd", "fkl", "jsd", "margin")
 TRAIN = ("lora", "last", "full")
 DATA = ("target", "draft", "mixed")
 DECAYS = ("cosine", "linear")
@@ -128,7 +134,8 @@ class Recipe:
       (greedy, the default engine: labels are the target's argmax) or a
       sampling temperature (labels are the target's top-k at it).
     top_k: label tokens kept per position when temperature > 0.
-    loss: "tvd", "fkl" (forward KL) or "jsd" (see the module docstring).
+    loss: "tvd", "fkl" (forward KL), "jsd" or "margin" (greedy only; see the
+      module docstring).
     train: "lora" (adapters on `lora_matrices`, merged on save), "last"
       (the last `last_layers` layers and the final norm) or "full".
     last_layers: layers trained by "last".
@@ -207,6 +214,9 @@ class Recipe:
         raise DistillError(f"{name}={value!r}: expected a number > 0")
     if not _is_number(self.temperature) or self.temperature < 0:
       raise DistillError(f"temperature={self.temperature!r}: expected 0 (greedy) or a number > 0")
+    if self.loss == "margin" and self.temperature != 0:
+      raise DistillError(f"loss='margin' is for greedy decoding only (temperature=0), got "
+                         f"temperature={self.temperature!r}: use tvd, fkl or jsd")
     for name in ("weight_decay", "final_lr_fraction"):
       value = getattr(self, name)
       if not _is_number(value) or not 0 <= value <= 1:
@@ -854,8 +864,9 @@ def losses(logits: jax.Array, label_ids: jax.Array, label_logp: jax.Array,
       the confidence policy reads) or the temperature both are taken at.
 
   Returns:
-    [B, G] arrays: "tvd", "fkl", "jsd", "agree" (the draft's argmax equals
-    the target's), "q_top" (q at the target's argmax).
+    [B, G] arrays: "tvd", "fkl", "jsd", "margin" (greedy only: 1 - (q(a*) -
+    max_{v != a*} q(v))), "agree" (the draft's argmax equals the target's),
+    "q_top" (q at the target's argmax).
   """
   logits = logits.astype(jnp.float32)
   agree = (jnp.argmax(logits, axis=-1) == label_ids[..., 0]).astype(jnp.float32)
@@ -868,7 +879,12 @@ def losses(logits: jax.Array, label_ids: jax.Array, label_logp: jax.Array,
     #   KL(p || m) = -log((1 + q_a) / 2);  KL(q || m) = q_a log(2 q_a / (1 + q_a)) + (1 - q_a) log 2.
     kl_pm = log2 - jnp.log1p(q)
     kl_qm = q * (log2 + lq - jnp.log1p(q)) + (1.0 - q) * log2
-    return {"tvd": 1.0 - q, "fkl": -lq, "jsd": 0.5 * (kl_pm + kl_qm), "agree": agree, "q_top": q}
+    # The draft's largest probability on a token other than a*: a* masked out of the max.
+    vocab = jnp.arange(logq.shape[-1])  # [V]
+    others = jnp.where(vocab == label_ids[..., :1], -jnp.inf, logq)  # [B, G, V]
+    q_other = jnp.exp(jnp.max(others, axis=-1))  # [B, G]
+    return {"tvd": 1.0 - q, "fkl": -lq, "jsd": 0.5 * (kl_pm + kl_qm),
+            "margin": 1.0 - (q - q_other), "agree": agree, "q_top": q}
   logq = jax.nn.log_softmax(logits / temperature, axis=-1)
   lq = jnp.take_along_axis(logq, label_ids, axis=-1)  # [B, G, K]
   p, q = jnp.exp(label_logp), jnp.exp(lq)
@@ -1041,7 +1057,7 @@ def evaluate(cfg: config_lib.Qwen2Config, params: Any, trainable: Any, recipe: R
     idx: the held-out sequences.
 
   Returns:
-    loss (the recipe's), tvd, fkl, jsd, agree (argmax agreement: greedy
+    loss (the recipe's), tvd, fkl, jsd, margin (greedy), agree (argmax agreement: greedy
     acceptance per draft), confident_right (q(a*) >= 0.5: drafted, accepted
     and drafting goes on) and tokens_per_round (`simulate_rounds`, target
     sequences only).
@@ -1059,7 +1075,9 @@ def evaluate(cfg: config_lib.Qwen2Config, params: Any, trainable: Any, recipe: R
     out = {k: np.asarray(v)[:len(chunk)] for k, v in
            _eval_batch(cfg, recipe, params, trainable, batch).items()}
     mask = data.mask[chunk]
-    for name in ("tvd", "fkl", "jsd", "agree"):
+    for name in ("tvd", "fkl", "jsd", "margin", "agree"):
+      if name not in out:  # margin: greedy only
+        continue
       sums[name] = sums.get(name, 0.0) + float((out[name] * mask).sum())
     sums["confident_right"] = sums.get("confident_right", 0.0) + float(
         ((out["q_top"] >= 0.5) * mask).sum())

@@ -276,6 +276,36 @@ def test_losses_match_their_definitions():
                              atol=1e-6)
 
 
+def test_margin_loss_penalises_a_confident_wrong_token():
+  """margin = 1 - (q(a*) - the draft's largest q on another token), a* the largest or not."""
+  # Row 0: a* = 0 holds the largest probability; row 1: token 1 holds more than a* = 0;
+  # row 2: a* = 3, the least likely, behind token 2.
+  logits = np.array([[[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 0.0], [1.0, 0.5, 2.5, 0.2]]],
+                    np.float32)  # [B=1, G=3, V=4]
+  a = np.array([[[0], [0], [3]]], np.int32)  # [1, 3, 1]
+  q = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+  out = {k: np.asarray(v) for k, v in distill.losses(jnp.asarray(logits), jnp.asarray(a),
+                                                     jnp.zeros(a.shape), 0.0).items()}
+  q_a = np.take_along_axis(q, a, -1)[..., 0]
+  q_second = np.array([[q[0, 0, 1], q[0, 1, 1], q[0, 2, 2]]])  # the largest other token, by hand
+  chex.assert_shape(out["margin"], (1, 3))
+  np.testing.assert_allclose(out["margin"], 1 - (q_a - q_second), rtol=1e-5)
+  np.testing.assert_allclose(out["margin"] - out["tvd"], q_second, rtol=1e-5)  # TVD + q_second
+  assert out["margin"][0, 0] < 1 < out["margin"][0, 1]  # a* ahead: below 1; behind: above
+
+
+def test_margin_loss_is_greedy_only():
+  """The margin loss with a sampling temperature is refused: one line, in the API and the CLI."""
+  distill.make_recipe(loss="margin")  # greedy: accepted
+  with pytest.raises(distill.DistillError, match="loss='margin'.*greedy") as err:
+    distill.make_recipe(loss="margin", temperature=0.7)
+  assert "\n" not in str(err.value)
+  with pytest.raises(distill.DistillError, match="^--loss: loss='margin'") as err:
+    distill._recipe_from(distill.build_parser().parse_args(["--loss", "margin",
+                                                            "--temperature", "0.7"]))
+  assert "\n" not in str(err.value)
+
+
 def test_simulated_rounds_follow_the_confidence_policy():
   """The acceptance estimate replays the confidence policy's rounds by hand."""
   # Positions 1.. (0 is the prefill's token): agree, confidence.
