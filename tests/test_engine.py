@@ -435,6 +435,8 @@ def test_a_ready_request_compiles_nothing_on_the_way_to_its_tokens(caplog):
 def test_every_prompt_length_in_a_buffer_width_shares_its_programs():
   bundle = tiny.pair(9)
   target = jspec.generate(bundle, tiny.prompt(3, 33), max_new_tokens=12, method="target")
+  # Target-only has no drafts (G = 0): 17 + 12 + 2 tokens fit its width 32.
+  target_17 = jspec.generate(bundle, tiny.prompt(4, 17), max_new_tokens=12, method="target")
   first = jspec.generate(bundle, tiny.prompt(3, 33), max_new_tokens=12, gamma=2)
   compiles = programs.PROGRAMS.compiles
   # Prompts of 40, 48 and 17 tokens: 17 and 33 had prompt buckets of their
@@ -443,8 +445,7 @@ def test_every_prompt_length_in_a_buffer_width_shares_its_programs():
     second = jspec.generate(bundle, tiny.prompt(4, length), max_new_tokens=12, gamma=2)
     assert programs.PROGRAMS.compiles == compiles and second.stats["compile_s"] == 0.0
   assert first.token_ids == target.token_ids
-  assert second.token_ids == jspec.generate(bundle, tiny.prompt(4, 17), max_new_tokens=12,
-                                            method="target").token_ids
+  assert second.token_ids == target_17.token_ids
   jspec.generate(bundle, tiny.prompt(4, 49), max_new_tokens=12, gamma=2)  # the next width
   assert programs.PROGRAMS.compiles == compiles + 2  # its prefill and its loop
 
