@@ -4,15 +4,21 @@ Sizes are small primes (or odd products) where the architecture allows, so a
 swapped axis shows up as a shape error instead of passing by coincidence.
 """
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import numpy as np
 import pytest
 
 # Tests never touch the user's jspec cache (assembled models, converted
-# params, compiled programs): everything goes to a throwaway directory.
-os.environ.setdefault("JSPEC_CACHE", tempfile.mkdtemp(prefix="jspec-test-cache-"))
+# params, compiled programs): everything goes to a throwaway directory,
+# removed when the process that made it exits (pytest-xdist's workers inherit
+# the variable, so only the controller makes and removes it).
+if "JSPEC_CACHE" not in os.environ:
+  os.environ["JSPEC_CACHE"] = tempfile.mkdtemp(prefix="jspec-test-cache-")
+  atexit.register(shutil.rmtree, os.environ["JSPEC_CACHE"], ignore_errors=True)
 
 # Most of the suite's time is XLA compiling the tiny models' programs, and
 # most of that is LLVM optimising and emitting every fusion. The tests check
