@@ -32,6 +32,7 @@ from bench import results
 from bench import shapes
 from bench.tools import kernel_ab
 from bench.tools import roofline
+from bench.tools import serve_bound
 from jspec import bundle as bundle_lib
 from jspec import cache as cache_lib
 from jspec import cpu_kernels
@@ -515,3 +516,15 @@ def test_one_row_greedy_rounds_count_the_int8_heads_bytes():
   assert draft.cfg.tie_word_embeddings
   assert memory.forward_bytes(draft.cfg, draft.params) == memory.param_bytes(draft.params)
   assert engine.one_row_bytes(draft.cfg, draft.params, 100) is None
+
+
+def test_serve_bound_counts_every_matrix_of_the_target_once():
+  """The bound's multiply-adds per token are the target's matrices, counted from its params."""
+  bundle = tiny.pair(kernels=False)
+  flat = jax.tree_util.tree_flatten_with_path(bundle.target.params, is_leaf=weights.is_leaf)[0]
+  sizes = {jax.tree_util.keystr(p): l.shape[0] * l.shape[1] for p, l in flat
+           if isinstance(l, (weights.Dense, weights.Table))}
+  layers = sum(v for k, v in sizes.items() if k.startswith("['layers']"))
+  macs = serve_bound.target_macs(bundle)
+  assert macs == {"layers": layers, "head": sizes["['head']['w']"]}
+  assert layers > 0
