@@ -7,7 +7,8 @@
 Every source is read tensor by tensor and each tensor is placed on the device
 as soon as it is converted, so the host never holds a second copy of the
 model. `python -m convert SRC OUT` (see `convert.cli`) converts once to a jspec
-file, which later loads without dequantizing anything.
+file, which later loads without dequantizing anything; it too writes each
+tensor as soon as it is converted and holds no more than a tensor or two.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax
 import numpy as np
 import tqdm
 
+from convert import gguf_blocks
 from convert import gguf_file
 from convert import hf
 from convert import keys
@@ -78,12 +80,32 @@ def assemble(source, dtype: Any = "float32", put: Optional[Callable[[np.ndarray]
     `gguf_blocks.Blocks` (numpy, HF orientation) for quantized matrices.
   """
   assembler = keys.Assembler(source.config, dtype, put, source=str(source.path))
+  _feed(source, assembler, dtype, progress)
+  return source.config, assembler.finish()
+
+
+def _feed(source, assembler: keys.Assembler, dtype: Any, progress: bool) -> None:
+  """Reads every tensor of a source into an assembler, one at a time."""
   names = tqdm.tqdm(source.names, desc=f"converting {source.path.name}", unit="tensor",
                     disable=not progress)
   exact = dtype == keys.EXACT
   for name in names:
     assembler.add(name, source.read(name, exact=exact), label=source.label(name))
-  return source.config, assembler.finish()
+
+
+def _forms(source, dtype: Any) -> dict[str, Any]:
+  """What each param of a source will be (dtype, or int8-block form), before reading any data.
+
+  A param the source lacks gets the plain dtype: converting then fails on
+  it with the assembler's own message.
+  """
+  exact = dtype == keys.EXACT
+  names = set(source.names)
+  forms = {}
+  for path, hf_name in keys.hf_names(source.config).items():
+    form = source.form(hf_name, exact=exact) if hf_name in names else None
+    forms[path] = form if isinstance(form, gguf_blocks.Form) else keys.stored_dtype(form, dtype)
+  return forms
 
 
 def load_checkpoint(path, dtype: Any = "float32",
@@ -153,7 +175,11 @@ def check_output(src, out) -> None:
 
 
 def convert_checkpoint(src, out, dtype: Any = "float32", progress: bool = False) -> pathlib.Path:
-  """Converts a checkpoint into a jspec file (params stay on the host throughout).
+  """Converts a checkpoint into a jspec file, writing each tensor as it is converted.
+
+  The file is laid out from the source's header first (`store.save_streamed`),
+  so the host holds a tensor or two at a time, never the model; the file is
+  the one `store.save` writes from `assemble`'s tensors.
 
   Args:
     src: an HF checkpoint directory or a .gguf file.
@@ -172,7 +198,14 @@ def convert_checkpoint(src, out, dtype: Any = "float32", progress: bool = False)
   check_output(src, out)  # before reading anything
   source = open_source(src)
   try:
-    cfg, tensors = assemble(source, dtype, put=None, progress=progress)
+    cfg = source.config
+
+    def fill(put):
+      assembler = keys.Assembler(cfg, dtype, source=str(source.path), sink=put,
+                                 tied_head="lm_head.weight" in source.names)
+      _feed(source, assembler, dtype, progress)
+      assembler.finish()
+
+    return store.save_streamed(out, cfg, _forms(source, dtype), fill)
   finally:
     source.close()
-  return store.save(out, cfg, tensors)

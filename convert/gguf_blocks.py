@@ -43,11 +43,6 @@ from typing import Callable, Optional
 
 import numpy as np
 
-try:
-  import gguf
-except ImportError:
-  gguf = None
-
 from convert import keys
 
 QK_K = 256  # weights per K-quant super-block
@@ -317,6 +312,54 @@ def _decoder(tensor_type) -> tuple[Callable, int]:
   return _DECODERS[name]
 
 
+def _gguf():
+  """The gguf package, imported on first use, so that `import jspec` never pays for it."""
+  try:
+    import gguf  # pylint: disable=import-outside-toplevel
+    import gguf.quants  # pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    raise keys.ConvertError("reading GGUF blocks needs the gguf package (pip install gguf)") \
+        from None
+  return gguf
+
+
+def _sizes(name: str) -> tuple[int, int]:
+  """(weights, bytes) per block of a GGUF type."""
+  gguf = _gguf()
+  return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Form:
+  """What `split` makes of a type, known before any tensor of it is read.
+
+  Attributes:
+    block: weights per scale (`Blocks.block`).
+    offset: whether its blocks have an offset term (`Blocks.offset` is not None).
+  """
+
+  block: int
+  offset: bool
+
+
+def form(tensor_type) -> Form:
+  """The int8-block form of a type, from decoding one block of zeros with its own decoder.
+
+  Args:
+    tensor_type: a `gguf.GGMLQuantizationType` (or its name).
+
+  Returns:
+    Its block size and whether it has offsets.
+
+  Raises:
+    InexactError: the type has no exact int8-block form here.
+  """
+  _decoder(tensor_type)  # InexactError before anything else
+  blocks = split(np.zeros((1, _sizes(getattr(tensor_type, "name", tensor_type))[1]), np.uint8),
+                 tensor_type)
+  return Form(block=blocks.block, offset=blocks.offset is not None)
+
+
 def split(data: np.ndarray, tensor_type) -> Blocks:
   """A tensor's raw GGUF block bytes as int8 blocks that widen to exactly its values.
 
@@ -333,9 +376,7 @@ def split(data: np.ndarray, tensor_type) -> Blocks:
   """
   decode, b = _decoder(tensor_type)
   name = getattr(tensor_type, "name", tensor_type)
-  if gguf is None:
-    raise keys.ConvertError("reading GGUF blocks needs the gguf package (pip install gguf)")
-  bs, ts = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+  bs, ts = _sizes(name)
   raw = np.ascontiguousarray(data).view(np.uint8)
   raw = raw.reshape(1, -1) if raw.ndim == 1 else raw.reshape(-1, raw.shape[-1])
   rows, width = raw.shape
@@ -404,7 +445,7 @@ def check(path) -> dict:
       blocks = split(chunk, t.tensor_type)
       compact += blocks.nbytes
       ours = widen(blocks.q, blocks.scale, blocks.offset, blocks.block)
-      theirs = gguf.quants.dequantize(chunk, t.tensor_type).reshape(ours.shape)
+      theirs = _gguf().quants.dequantize(chunk, t.tensor_type).reshape(ours.shape)
       same &= bool(np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)))
     if not same:
       mismatches.append(t.name)

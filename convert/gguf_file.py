@@ -23,15 +23,6 @@ from typing import Any
 
 import numpy as np
 
-# Only reading a GGUF file needs the gguf package: jspec files and random
-# weights do not, so jspec imports without it (a GPU machine with no network
-# may lack it; `open_reader` then says what is missing).
-try:
-  import gguf
-  from gguf import quants
-except ImportError:
-  gguf = quants = None
-
 from convert import config as config_lib
 from convert import gguf_blocks
 from convert import keys
@@ -57,6 +48,30 @@ def is_gguf_file(path: pathlib.Path) -> bool:
     return f.read(4) == MAGIC
 
 
+def package(path):
+  """The gguf package, imported on first use so that `import jspec` never pays for it.
+
+  Only reading a GGUF file needs it: jspec files and random weights do not,
+  and a GPU machine with no network may lack it.
+
+  Args:
+    path: the file being read, for the error message.
+
+  Returns:
+    The `gguf` module (with `gguf.quants` imported).
+
+  Raises:
+    ConvertError: the package is not installed.
+  """
+  try:
+    import gguf  # pylint: disable=import-outside-toplevel
+    import gguf.quants  # pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    raise keys.ConvertError(f"{path}: reading a GGUF file needs the gguf package, which is not "
+                            "installed (pip install gguf)") from None
+  return gguf
+
+
 def open_reader(path) -> gguf.GGUFReader:
   """Opens a GGUF file, turning every parse failure into a ConvertError.
 
@@ -73,9 +88,7 @@ def open_reader(path) -> gguf.GGUFReader:
     magic = f.read(4)
   if magic != MAGIC:
     raise keys.ConvertError(f"{path}: not a GGUF file (starts with {magic!r}, expected {MAGIC!r})")
-  if gguf is None:
-    raise keys.ConvertError(f"{path}: reading a GGUF file needs the gguf package, which is not "
-                            "installed (pip install gguf)")
+  gguf = package(path)
   try:
     return gguf.GGUFReader(path)
   except Exception as e:  # the reader fails with whatever numpy or struct raised
@@ -95,6 +108,7 @@ def metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
   Returns:
     key -> int, float, bool or str.
   """
+  import gguf  # pylint: disable=import-outside-toplevel  (installed: the reader exists)
   out = {}
   for name, field in reader.fields.items():
     if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
@@ -148,6 +162,24 @@ class Source:
     """
     return self._tensors[name].name
 
+  def form(self, name: str, exact: bool = False):
+    """What `read` returns for a tensor, known without reading its data.
+
+    Args:
+      name: an HF tensor name from `names`.
+      exact: as for `read`.
+
+    Returns:
+      A `gguf_blocks.Form` where `read` returns int8 blocks, else the dtype
+      of the array it returns.
+    """
+    t = self._tensors[name]
+    if exact and len(t.shape) == 2 and t.tensor_type.name in gguf_blocks.EXACT_TYPES:
+      return gguf_blocks.form(t.tensor_type)
+    if exact and t.tensor_type.name == "BF16":
+      return keys.DTYPES["bfloat16"]
+    return keys.DTYPES["float32"]
+
   def read(self, name: str, exact: bool = False):
     """Dequantizes one tensor, or with `exact` keeps a quantized matrix's own numbers.
 
@@ -178,6 +210,7 @@ class Source:
         return blocks
     if exact and t.tensor_type.name == "BF16":
       return np.asarray(t.data).view(keys.DTYPES["bfloat16"]).reshape(shape)
+    quants = package(self.path).quants
     try:
       data = t.data
       if data.ndim < 2:

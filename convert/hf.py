@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from typing import Optional
 
 import numpy as np
 import safetensors
@@ -21,6 +22,9 @@ from convert import keys
 from convert import config as config_lib
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# safetensors dtype names of the float tensors a checkpoint may hold.
+_DTYPES = {"F32": keys.DTYPES["float32"], "BF16": keys.DTYPES["bfloat16"],
+           "F16": keys.DTYPES["float16"]}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -109,6 +113,20 @@ class Source:
       The same name.
     """
     return name
+
+  def form(self, name: str, exact: bool = False) -> Optional[np.dtype]:
+    """The dtype `read` returns for a tensor, from the file's header.
+
+    Args:
+      name: an HF tensor name from `names`.
+      exact: unused, as for `read`.
+
+    Returns:
+      Its numpy dtype, or None for a dtype `keys.DTYPES` does not name.
+    """
+    shard = self._where[name]
+    kind = self._files[shard].get_slice(name).get_dtype()
+    return _DTYPES.get(kind)
 
   def read(self, name: str, exact: bool = False) -> np.ndarray:
     """Reads one tensor.

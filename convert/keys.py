@@ -231,6 +231,24 @@ def is_ignored(hf_name: str) -> bool:
   return any(re.fullmatch(p, hf_name) for p in _IGNORED)
 
 
+def stored_dtype(source: Optional[np.dtype], dtype: Any) -> np.dtype:
+  """The dtype a float tensor is converted to, known before reading it, so a file can be laid out.
+
+  Args:
+    source: the tensor's dtype as its source returns it (None: one not named here).
+    dtype: the params dtype, or `EXACT` (see `resolve_dtype`).
+
+  Returns:
+    `dtype` itself, or with `EXACT` bfloat16 and float32 as they are and
+    anything else (float16) widened exactly to float32.
+  """
+  cast = resolve_dtype(dtype)
+  if cast is not None:
+    return cast
+  keep = (DTYPES["float32"], DTYPES["bfloat16"])
+  return np.dtype(source) if source is not None and np.dtype(source) in keep else DTYPES["float32"]
+
+
 def convert_weight(hf_name: str, array: Any, cfg: config_lib.Qwen2Config,
                    dtype: Any = "float32") -> tuple[str, Any]:
   """Checks one HF tensor's shape, then transposes and casts it for jspec.
@@ -261,9 +279,7 @@ def convert_weight(hf_name: str, array: Any, cfg: config_lib.Qwen2Config,
     return path, array
   if rule.transpose:
     array = array.T
-  cast = resolve_dtype(dtype)
-  if cast is None:  # exact: bfloat16 and float32 as they are, float16 widened exactly
-    cast = array.dtype if array.dtype in (DTYPES["float32"], DTYPES["bfloat16"]) else np.float32
+  cast = stored_dtype(array.dtype, dtype)
   # Contiguous: safetensors writes raw buffers, and a transposed view's buffer
   # is the untransposed data.
   array = np.ascontiguousarray(array, dtype=cast)
@@ -275,6 +291,19 @@ def convert_weight(hf_name: str, array: Any, cfg: config_lib.Qwen2Config,
 def transposed(cfg: config_lib.Qwen2Config) -> frozenset[str]:
   """The jspec paths whose tensors jspec holds transposed from HF's [out, in] (the matrices)."""
   return frozenset(path for path, _, rule in _rules_for(cfg) if rule.transpose)
+
+
+def hf_names(cfg: config_lib.Qwen2Config) -> dict[str, str]:
+  """The checkpoint tensor each param comes from.
+
+  Args:
+    cfg: the model config.
+
+  Returns:
+    jspec path -> HF name, as `expected_shapes` orders them.
+  """
+  names = {path: hf_name for path, hf_name, _ in _rules_for(cfg)}
+  return {path: names[path] for path in expected_shapes(cfg)}
 
 
 def hf_shapes(cfg: config_lib.Qwen2Config) -> dict[str, tuple[int, ...]]:
@@ -293,23 +322,32 @@ class Assembler:
   """Collects the model's tensors from a stream of HF-named ones, checking everything.
 
   Usage: `add` every tensor of the checkpoint, then `finish` for the tensors
-  by jspec path.
+  by jspec path. With a `sink`, each converted tensor goes to it instead of
+  being kept, so that a writer holds one tensor at a time, not the model.
   """
 
   def __init__(self, cfg: config_lib.Qwen2Config, dtype: Any = "float32",
-               put: Optional[Callable[[np.ndarray], Any]] = None, source: str = "checkpoint"):
+               put: Optional[Callable[[np.ndarray], Any]] = None, source: str = "checkpoint",
+               sink: Optional[Callable[[str, Any], None]] = None, tied_head: bool = False):
     """Args:
       cfg: the model config (from the same checkpoint).
       dtype: params dtype (see `resolve_dtype`).
       put: applied to each converted array before it is kept (e.g.
         `jax.device_put`, so that only one tensor at a time lives on the host).
       source: a name for error messages (the file or directory).
+      sink: called as sink(jspec path, tensor) with each converted tensor,
+        which is then not kept (`finish` returns nothing).
+      tied_head: with a sink, the checkpoint also holds an lm_head.weight
+        that the config ties to the embeddings: the embedding table is kept
+        until the head has come and been compared with it.
     """
     self.cfg = cfg
     resolve_dtype(dtype)  # a bad dtype fails here, before any tensor
     self.dtype = dtype
     self.put = put or (lambda x: x)
     self.source = source
+    self.sink = sink
+    self._keep_embed = tied_head and cfg.tie_word_embeddings
     self._seen: dict[str, str] = {}  # jspec path -> HF name it came from
     self._tensors: dict[str, Any] = {}  # jspec path -> converted tensor
     self._tied_head: Optional[np.ndarray] = None
@@ -340,6 +378,9 @@ class Assembler:
     if hf_name == "lm_head.weight" and self.cfg.tie_word_embeddings:
       # Some exporters write the tied head out as well; it must be the embedding.
       self._tied_head = array if not isinstance(array, np.ndarray) else np.asarray(array)
+      if self.sink is not None and "embed/table" in self._tensors:
+        self._check_tied_head()  # both here: compare now and let both go
+        del self._tensors["embed/table"]
       return
     try:
       path, converted = convert_weight(hf_name, array, self.cfg, self.dtype)
@@ -350,13 +391,22 @@ class Assembler:
       raise ConvertError(f"{self.source}: tensor {hf_name!r} appears twice "
                          f"(as {self._seen[path]!r} before)")
     self._seen[path] = hf_name
-    self._tensors[path] = self.put(converted) if isinstance(converted, np.ndarray) else converted
+    if self.sink is None:
+      self._tensors[path] = self.put(converted) if isinstance(converted, np.ndarray) else converted
+      return
+    self.sink(path, converted)
+    if path == "embed/table" and self._tied_head is not None:
+      self._tensors[path] = converted
+      self._check_tied_head()
+      del self._tensors[path]
+    elif path == "embed/table" and self._keep_embed:
+      self._tensors[path] = converted  # until the tied head comes
 
   def finish(self) -> dict[str, Any]:
     """Returns the tensors once every one the model needs has been added.
 
     Returns:
-      jspec path -> tensor, in `expected_shapes` order.
+      jspec path -> tensor, in `expected_shapes` order; empty with a sink.
 
     Raises:
       ConvertError: some tensors never came.
@@ -367,4 +417,7 @@ class Assembler:
       raise ConvertError(f"{self.source}: missing {len(missing)} tensor(s) the model needs: {shown}")
     if self._tied_head is not None:
       self._check_tied_head()
+    if self.sink is not None:
+      self._tensors.clear()
+      return {}
     return {path: self._tensors[path] for path in expected_shapes(self.cfg)}

@@ -7,7 +7,9 @@ with no dequantizing, transposing or key mapping, and runs no code from it.
 
 A save writes a temporary file in the destination's directory and renames it
 over the destination (`os.replace` is atomic on POSIX), so an interrupted save
-leaves the previous file, or nothing, never half a file. A load checks the
+leaves the previous file, or nothing, never half a file. `save_streamed` writes
+the same file without ever holding the params together: it lays the file out
+from what each param will be, then writes each at its place as it is made. A load checks the
 names, shapes and dtypes against the config and turns a truncated or corrupted
 file into a ConvertError.
 """
@@ -155,9 +157,134 @@ def save(path, cfg: config_lib.Qwen2Config, tensors: dict[str, Any]) -> pathlib.
   tensors = {p: np.asarray(x) for p, x in _names(tensors).items()}
   _check(cfg, {p: x.shape for p, x in tensors.items()},
          {p: x.dtype for p, x in tensors.items()}, blocks, str(path))
-  meta = {"format": FORMAT, "format_version": FORMAT_VERSION,
+  return write_atomic(path, tensors, _metadata(cfg, blocks))
+
+
+def _metadata(cfg: config_lib.Qwen2Config, blocks: dict[str, int]) -> dict[str, str]:
+  """The `__metadata__` of a jspec file: format, version, config and block sizes."""
+  return {"format": FORMAT, "format_version": FORMAT_VERSION,
           "config": json.dumps(cfg.to_dict(), sort_keys=True), "blocks": json.dumps(blocks)}
-  return write_atomic(path, tensors, meta)
+
+
+def layout(cfg: config_lib.Qwen2Config,
+           forms: dict[str, Any]) -> tuple[dict[str, tuple[np.dtype, tuple]], dict[str, int]]:
+  """The tensors of the file `save` would write, from what each param will be before it exists.
+
+  Args:
+    cfg: the model config.
+    forms: jspec path -> the param's dtype, or a `gguf_blocks.Form` for int8
+      blocks, for every path of `keys.expected_shapes(cfg)`.
+
+  Returns:
+    ({file tensor name: (dtype, shape)}, {jspec path: block size}), named and
+    shaped as `save` names and checks them.
+  """
+  hf = keys.hf_shapes(cfg)
+  tensors, blocks = {}, {}
+  for path, shape in keys.expected_shapes(cfg).items():
+    form = forms[path]
+    if isinstance(form, gguf_blocks.Form):
+      out, inp = hf[path]
+      blocks[path] = form.block
+      tensors[path + ":q"] = (np.dtype(np.int8), (out, inp))
+      parts = [":scale"] + ([":offset"] if form.offset else [])
+      for part in parts:
+        tensors[path + part] = (np.dtype(np.float32), (out, inp // form.block))
+    else:
+      tensors[path] = (np.dtype(form), tuple(shape))
+  return tensors, blocks
+
+
+# safetensors' names for the dtypes of a jspec file, in the order it lays
+# tensors out: by dtype (its enum, descending), then by name.
+_SAFETENSORS_DTYPES = {keys.DTYPES["float32"]: "F32", keys.DTYPES["bfloat16"]: "BF16",
+                       keys.DTYPES["float16"]: "F16", np.dtype(np.int8): "I8"}
+
+
+def _header(tensors: dict[str, tuple[np.dtype, tuple]],
+            metadata: dict[str, str]) -> tuple[bytes, dict[str, tuple[int, int]]]:
+  """The bytes before a safetensors file's data, as `safetensors.numpy.save_file` lays them out.
+
+  Args:
+    tensors: name -> (dtype, shape).
+    metadata: string -> string.
+
+  Returns:
+    (the 8-byte length and the space-padded JSON header, {name: (start, stop)}
+    in bytes from the end of the header).
+  """
+  rank = {dtype: i for i, dtype in enumerate(_SAFETENSORS_DTYPES)}
+  order = sorted(tensors, key=lambda name: (rank[tensors[name][0]], name))
+  entries, spans, start = {"__metadata__": metadata}, {}, 0
+  for name in order:
+    dtype, shape = tensors[name]
+    stop = start + dtype.itemsize * math.prod(shape)
+    entries[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": [int(d) for d in shape],
+                     "data_offsets": [start, stop]}
+    spans[name] = (start, stop)
+    start = stop
+  text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode()
+  text += b" " * (-len(text) % 8)
+  return struct.pack("<Q", len(text)) + text, spans
+
+
+def save_streamed(path, cfg: config_lib.Qwen2Config, forms: dict[str, Any],
+                  fill: Callable[[Callable[[str, Any], None]], None]) -> pathlib.Path:
+  """Writes the file `save` would, one param at a time as `fill` makes them, atomically.
+
+  The header comes first from `forms`, so that each param is written at its
+  place as soon as it is made and only the params `fill` holds at once are
+  ever alive, not the model.
+
+  Args:
+    path: destination file (or an existing directory: `path/jspec.safetensors`).
+    cfg: the model config.
+    forms: jspec path -> dtype or `gguf_blocks.Form`, as for `layout`.
+    fill: called once as fill(put); calls put(jspec path, tensor) for every
+      param, each once, a numpy array or `gguf_blocks.Blocks` of the form
+      `forms` gave it.
+
+  Returns:
+    The path written.
+
+  Raises:
+    ConvertError: the params do not match the config or `forms`, or `fill`
+      did not give every one; nothing is left behind.
+  """
+  path = resolve_path(path)
+  tensors, blocks = layout(cfg, forms)
+  _check(cfg, {p: shape for p, (_, shape) in tensors.items()},
+         {p: dtype for p, (dtype, _) in tensors.items()}, blocks, str(path))
+  header, spans = _header(tensors, _metadata(cfg, blocks))
+
+  def write(tmp: str) -> None:
+    written = set()
+    with open(tmp, "r+b") as f:
+      f.write(header)
+      f.truncate(len(header) + max((stop for _, stop in spans.values()), default=0))
+
+      def put(param: str, value: Any) -> None:
+        block = value.block if isinstance(value, gguf_blocks.Blocks) else None
+        if block != blocks.get(param):
+          raise keys.ConvertError(f"{path}: param {param!r} is not in the form planned for it")
+        for name, array in _names({param: value}).items():
+          array = np.asarray(array)
+          if name not in tensors or name in written:
+            raise keys.ConvertError(f"{path}: tensor {name!r} was not planned or came twice")
+          if (array.dtype, tuple(array.shape)) != tensors[name]:
+            raise keys.ConvertError(f"{path}: tensor {name!r} is {array.dtype} "
+                                    f"{tuple(array.shape)}, planned as {tensors[name][0]} "
+                                    f"{tensors[name][1]}")
+          f.seek(len(header) + spans[name][0])
+          f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+          written.add(name)
+
+      fill(put)
+    if written != set(tensors):
+      missing = sorted(set(tensors) - written)
+      raise keys.ConvertError(f"{path}: {len(missing)} tensor(s) never written: {missing[:5]}")
+
+  return write_file_atomic(path, write)
 
 
 def write_atomic(path: pathlib.Path, tensors: dict[str, np.ndarray],

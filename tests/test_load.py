@@ -13,10 +13,10 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-import safetensors.numpy
 
 import convert
 import jspec
+from convert import keys
 from convert import store
 from convert import config as config_lib
 from jspec import bundle as bundle_lib
@@ -331,16 +331,16 @@ def test_stamped_but_unreadable_file_is_rebuilt(fake_pair, monkeypatch, capsys):
 
 
 def test_interrupted_conversion_leaves_cache_usable(fake_pair, monkeypatch):
-  real_save = safetensors.numpy.save_file
+  real_convert, calls = keys.convert_weight, []
 
-  def dies_midway(tensors, filename, metadata=None):
-    real_save(tensors, filename, metadata=metadata)
-    with open(filename, "r+b") as f:  # half written, as if killed
-      f.truncate(os.path.getsize(filename) // 2)
-    raise KeyboardInterrupt
+  def dies_midway(*args, **kwargs):  # half the file written, as if killed
+    calls.append(args[0])
+    if len(calls) == 5:
+      raise KeyboardInterrupt
+    return real_convert(*args, **kwargs)
 
   with monkeypatch.context() as m:
-    m.setattr(safetensors.numpy, "save_file", dies_midway)
+    m.setattr(keys, "convert_weight", dies_midway)
     with pytest.raises(KeyboardInterrupt):
       jspec.load("fake-pair", progress=False)
   assert not _converted(fake_pair, "fake-target").exists()
