@@ -699,6 +699,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmS8Layer, GemmS8Layer,
 // it reads; as int8 with a float32 scale (and offset) per block they are
 // 1.125-1.25 bytes each and still exactly the checkpoint's values.
 //
+//   jspec_gemm_blk4(x [M, K] f32, q [P, K/2, 32] u8, s, o) -> y [M, P * 32] f32
+//   jspec_gemm_blk4_sym(x, q, s) -> y
+//
+// The same product for q in [0, 15] (Q4_K, Q4_1, Q2_K) stored two to a
+// byte: byte [p, i, c] holds q[p, 2i, c] in its low four bits and
+// q[p, 2i + 1, c] in its high four, so a 4-bit k-quant reads 0.75 bytes a
+// weight instead of 1.25. Each 32-byte row of a panel gives the two k rows
+// that the int8 tile takes in one step; they are widened to the same floats
+// and summed in the same order, so the output is jspec_gemm_blk's on the
+// unpacked q bit for bit.
+//
 // Per block j of B k: acc = sum_k x[m, k] * q[k, :] over its B k, then
 // y += s[j, :] * acc + o[j, :] * (sum of x[m, k] over the block), so each
 // weight is widened once for all the rows of a tile, and two FMAs per block
@@ -730,21 +741,59 @@ constexpr int kBlkRegs = kLanes == 16 ? 32 : 16;  // vector registers
 constexpr int kBlkRowPanels = kLanes == 16 ? 4 : 2;
 constexpr int kBlkStepPanels = 2;
 constexpr int64_t kBlkStepRows = 3;
-// Panel rows (32 bytes each) the weight stream is prefetched ahead.
-constexpr int64_t kBlkAhead = 64;
+// Bytes of a panel's q the weight stream is prefetched ahead: 64 rows of
+// int8 q, 128 of nibbles.
+constexpr int64_t kBlkAhead = 64 * kPanel;
+
+// kLanes q in [0, 15] of a nibble panel row as floats: the low four bits of
+// each byte (HIGH false: k = 2i) or the high four (HIGH true: k = 2i + 1).
+template <bool HIGH>
+inline Vec WidenU4(const uint8_t* q) {
+#if defined(__AVX512F__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m512i wide = _mm512_cvtepu8_epi32(bytes);
+  const __m512i nib =
+      HIGH ? _mm512_srli_epi32(wide, 4) : _mm512_and_si512(wide, _mm512_set1_epi32(15));
+  const __m512 f = _mm512_cvtepi32_ps(nib);
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+  const __m256i wide = _mm256_cvtepu8_epi32(bytes);
+  const __m256i nib =
+      HIGH ? _mm256_srli_epi32(wide, 4) : _mm256_and_si256(wide, _mm256_set1_epi32(15));
+  const __m256 f = _mm256_cvtepi32_ps(nib);
+#else
+  Vec f;
+  for (int i = 0; i < kLanes; ++i) f[i] = static_cast<float>(HIGH ? q[i] >> 4 : q[i] & 15);
+#endif
+  Vec out;
+  std::memcpy(&out, &f, sizeof(Vec));
+  return out;
+}
+
+// k row 2i + R of a block panel whose row pair starts at `row`, columns
+// [v * kLanes, (v + 1) * kLanes): int8 q (one 32-byte row per k) or nibbles
+// (one 32-byte row per two k).
+template <int R>
+inline Vec WidenRow(const int8_t* row, int v) { return WidenS8(row + R * kPanel + v * kLanes); }
+template <int R>
+inline Vec WidenRow(const uint8_t* row, int v) { return WidenU4<R == 1>(row + v * kLanes); }
+// Bytes of a panel per two k rows.
+template <typename Q>
+constexpr int64_t kPairBytes = std::is_same<Q, uint8_t>::value ? kPanel : 2 * kPanel;
 
 // For p in [0, NP) and m in [0, MR):
 //   y[m, 32p + 0:W] = sum over blocks j of s_p[j] * (sum_k xt[k, m] * q_p[k]) + o_p[j] * xs[j, m]
 // where W = NV vectors of columns (q, s, o and y may point into the middle
 // of a panel row), q_p = q + p * q_stride, s_p and o_p likewise with
-// so_stride, over `blocks` blocks of B k. x comes packed for the tile, xt
+// so_stride, over `blocks` blocks of B k; Q is int8_t (a byte per q) or
+// uint8_t (nibbles, `WidenRow`), read alike. x comes packed for the tile, xt
 // [K, MR] and its block sums xs [K/B, MR], so every broadcast is at a fixed
 // offset from one pointer. Every output's sums run in the same order
 // whatever MR and NP are (and round alike: see the asm below), so a
 // row comes out bit for bit the same whichever rows share the call: a
 // verify row equals the target-only step's, as with jspec_gemm_f32.
-template <int MR, int NV, int B, bool OFF, int NP>
-void BlkTile(const float* xt, const float* xs, const int8_t* q, int64_t q_stride, const float* s,
+template <typename Q, int MR, int NV, int B, bool OFF, int NP>
+void BlkTile(const float* xt, const float* xs, const Q* q, int64_t q_stride, const float* s,
              const float* o, int64_t so_stride, int64_t blocks, float* y, int64_t ldy) {
   constexpr bool kInRegs = 2 * NP * MR * NV + NV + 3 <= kBlkRegs;
   Vec out[kInRegs ? NP : 1][kInRegs ? MR : 1][NV];
@@ -756,7 +805,7 @@ void BlkTile(const float* xt, const float* xs, const int8_t* q, int64_t q_stride
     }
   }
   for (int64_t j = 0; j < blocks; ++j) {
-    const int8_t* row = q + j * B * kPanel;
+    const Q* row = q + j * (B / 2) * kPairBytes<Q>;
     const float* xk = xt + j * B * MR;
     Vec acc[NP][MR][NV];
     for (int p = 0; p < NP; ++p) {
@@ -767,22 +816,31 @@ void BlkTile(const float* xt, const float* xs, const int8_t* q, int64_t q_stride
 #pragma GCC unroll 2
     for (int kk = 0; kk < B; kk += 2) {
       for (int p = 0; p < NP; ++p) {
-        __builtin_prefetch(row + p * q_stride + kBlkAhead * kPanel, 0, 3);  // a line per 2 rows
+        __builtin_prefetch(row + p * q_stride + kBlkAhead, 0, 3);  // a line per 2 (nibbles 4) rows
       }
-#pragma GCC unroll 2
-      for (int r = 0; r < 2; ++r) {
+      // k rows 2i, then 2i + 1, each over every panel (written out: the row
+      // is a template argument of the widening).
 #pragma GCC unroll 4
-        for (int p = 0; p < NP; ++p) {
-          Vec w[NV];
-          for (int v = 0; v < NV; ++v) w[v] = WidenS8(row + p * q_stride + r * kPanel + v * kLanes);
+      for (int p = 0; p < NP; ++p) {
+        Vec w[NV];
+        for (int v = 0; v < NV; ++v) w[v] = WidenRow<0>(row + p * q_stride, v);
 #pragma GCC unroll 12
-          for (int m = 0; m < MR; ++m) {
-            const float b = xk[r * MR + m];
-            for (int v = 0; v < NV; ++v) acc[p][m][v] += b * w[v];
-          }
+        for (int m = 0; m < MR; ++m) {
+          const float b = xk[m];
+          for (int v = 0; v < NV; ++v) acc[p][m][v] += b * w[v];
         }
       }
-      row += 2 * kPanel;
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) {
+        Vec w[NV];
+        for (int v = 0; v < NV; ++v) w[v] = WidenRow<1>(row + p * q_stride, v);
+#pragma GCC unroll 12
+        for (int m = 0; m < MR; ++m) {
+          const float b = xk[MR + m];
+          for (int v = 0; v < NV; ++v) acc[p][m][v] += b * w[v];
+        }
+      }
+      row += kPairBytes<Q>;
       xk += 2 * MR;
     }
     for (int p = 0; p < NP; ++p) {
@@ -830,23 +888,26 @@ void BlkTile(const float* xt, const float* xs, const int8_t* q, int64_t q_stride
   }
 }
 
-using BlkTileFn = void (*)(const float*, const float*, const int8_t*, int64_t, const float*,
+template <typename Q>
+using BlkTileFn = void (*)(const float*, const float*, const Q*, int64_t, const float*,
                           const float*, int64_t, int64_t, float*, int64_t);
-template <int B, bool OFF, int NP, int... R>
-constexpr std::array<BlkTileFn, sizeof...(R) + 1> MakeBlkTiles(std::integer_sequence<int, R...>) {
-  return {nullptr, BlkTile<R + 1, kBlkVecs, B, OFF, NP>...};
+template <typename Q, int B, bool OFF, int NP, int... R>
+constexpr std::array<BlkTileFn<Q>, sizeof...(R) + 1> MakeBlkTiles(
+    std::integer_sequence<int, R...>) {
+  return {nullptr, BlkTile<Q, R + 1, kBlkVecs, B, OFF, NP>...};
 }
 
-template <int B, bool OFF>
-void RunBlk(ffi::ThreadPool& pool, const float* xp, const int8_t* qp, const float* sp,
+template <typename Q, int B, bool OFF>
+void RunBlk(ffi::ThreadPool& pool, const float* xp, const Q* qp, const float* sp,
             const float* op, int64_t m_size, int64_t k_size, int64_t panels, float* yp) {
+  using TileFn = BlkTileFn<Q>;
   static constexpr auto tiles =
-      MakeBlkTiles<B, OFF, 1>(std::make_integer_sequence<int, kBlkRows>{});
+      MakeBlkTiles<Q, B, OFF, 1>(std::make_integer_sequence<int, kBlkRows>{});
   static constexpr auto step_tiles =
-      MakeBlkTiles<B, OFF, kBlkStepPanels>(std::make_integer_sequence<int, kBlkStepRows>{});
-  static constexpr BlkTileFn row_tile = BlkTile<1, kBlkVecs, B, OFF, kBlkRowPanels>;
+      MakeBlkTiles<Q, B, OFF, kBlkStepPanels>(std::make_integer_sequence<int, kBlkStepRows>{});
+  static constexpr TileFn row_tile = BlkTile<Q, 1, kBlkVecs, B, OFF, kBlkRowPanels>;
   const int64_t blocks = k_size / B, n_size = panels * kPanel;
-  const int64_t q_stride = k_size * kPanel, so_stride = blocks * kPanel;
+  const int64_t q_stride = k_size / 2 * kPairBytes<Q>, so_stride = blocks * kPanel;
   // x packed per row tile: tile t (rows m0 .. m0 + r) as [K, r], then its
   // block sums [K/B, r] (for the offsets).
   const int64_t tiles_m = (m_size + kBlkRows - 1) / kBlkRows;
@@ -868,15 +929,15 @@ void RunBlk(ffi::ThreadPool& pool, const float* xp, const int8_t* qp, const floa
   const float* xpk = packed.data();
   // Panels in step: np per set, the last set's leftovers one at a time.
   const int64_t np = m_size == 1 ? kBlkRowPanels : m_size <= kBlkStepRows ? kBlkStepPanels : 1;
-  const BlkTileFn step = m_size == 1 ? row_tile : m_size <= kBlkStepRows ? step_tiles[m_size]
-                                                                        : nullptr;
+  const TileFn step = m_size == 1 ? row_tile : m_size <= kBlkStepRows ? step_tiles[m_size]
+                                                                     : nullptr;
   ForEachPanel(pool, (panels + np - 1) / np, [=](int64_t set) {
     const int64_t p0 = set * np;
     for (int64_t t = 0; t < tiles_m; ++t) {
       const int64_t m0 = t * kBlkRows, r = std::min(kBlkRows, m_size - m0);
       const float* xt = xpk + m0 * (k_size + blocks);
       for (int64_t c = 0; c < kPanel; c += kBlkVecs * kLanes) {
-        auto run = [&](BlkTileFn tile, int64_t p) {
+        auto run = [&](TileFn tile, int64_t p) {
           tile(xt, xt + r * k_size, qp + p * q_stride + c, q_stride, sp + p * so_stride + c,
                OFF ? op + p * so_stride + c : nullptr, so_stride, blocks,
                yp + m0 * n_size + p * kPanel + c, n_size);
@@ -891,30 +952,40 @@ void RunBlk(ffi::ThreadPool& pool, const float* xp, const int8_t* qp, const floa
   });
 }
 
-ffi::Error GemmBlkAny(const char* name, ffi::ThreadPool& pool, Matrix& x, S8Panels& q, Panels& s,
+// q panels of nibbles: two q in [0, 15] to a byte.
+using U4Panels = ffi::Buffer<ffi::U8, 3>;
+
+// QPanels is S8Panels (a byte per q) or U4Panels (nibbles: K/2 rows).
+template <typename QPanels>
+ffi::Error GemmBlkAny(const char* name, ffi::ThreadPool& pool, Matrix& x, QPanels& q, Panels& s,
                       Panels* o, ffi::Result<Matrix>& y) {
+  constexpr bool kNibbles = std::is_same<QPanels, U4Panels>::value;
+  using Q = std::conditional_t<kNibbles, uint8_t, int8_t>;
   const auto xd = x.dimensions();
   const auto qd = q.dimensions();
   const auto sd = s.dimensions();
   const auto yd = y->dimensions();
   const int64_t blocks = sd[1];
-  bool ok = PanelShapes(xd, qd, yd) && sd[0] == qd[0] && sd[2] == kPanel && blocks > 0 &&
-            xd[1] % blocks == 0 && (xd[1] / blocks == 16 || xd[1] / blocks == 32);
+  const bool q_rows = kNibbles ? qd[1] * 2 == xd[1] : qd[1] == xd[1];
+  bool ok = q_rows && qd[2] == kPanel && yd[0] == xd[0] && yd[1] == qd[0] * kPanel &&
+            sd[0] == qd[0] && sd[2] == kPanel && blocks > 0 && xd[1] % blocks == 0 &&
+            (xd[1] / blocks == 16 || xd[1] / blocks == 32);
   if (o != nullptr) {
     const auto od = o->dimensions();
     ok = ok && od[0] == sd[0] && od[1] == sd[1] && od[2] == sd[2];
   }
   if (!ok) {
     return ffi::Error::InvalidArgument(
-        std::string(name) + ": expected x [M, K] f32, q [N/32, K, 32] s8, s" +
+        std::string(name) + ": expected x [M, K] f32, q " +
+        (kNibbles ? "[N/32, K/2, 32] u8" : "[N/32, K, 32] s8") + ", s" +
         (o != nullptr ? " and o" : "") + " [N/32, K/B, 32] f32 with B 16 or 32, y [M, N]");
   }
   const float* op = o != nullptr ? o->typed_data() : nullptr;
   const int64_t b = xd[1] / blocks;
-  auto run = o != nullptr ? (b == 16 ? RunBlk<16, true> : RunBlk<32, true>)
-                          : (b == 16 ? RunBlk<16, false> : RunBlk<32, false>);
-  run(pool, x.typed_data(), q.typed_data(), s.typed_data(), op, xd[0], xd[1], qd[0],
-      y->typed_data());
+  auto run = o != nullptr ? (b == 16 ? RunBlk<Q, 16, true> : RunBlk<Q, 32, true>)
+                          : (b == 16 ? RunBlk<Q, 16, false> : RunBlk<Q, 32, false>);
+  run(pool, x.typed_data(), reinterpret_cast<const Q*>(q.typed_data()), s.typed_data(), op,
+      xd[0], xd[1], qd[0], y->typed_data());
   return ffi::Error::Success();
 }
 
@@ -927,9 +998,19 @@ ffi::Error GemmBlkSym(ffi::ThreadPool pool, Matrix x, S8Panels q, Panels s, ffi:
   return GemmBlkAny("jspec_gemm_blk_sym", pool, x, q, s, nullptr, y);
 }
 
+ffi::Error GemmBlk4(ffi::ThreadPool pool, Matrix x, U4Panels q, Panels s, Panels o,
+                    ffi::Result<Matrix> y) {
+  return GemmBlkAny("jspec_gemm_blk4", pool, x, q, s, &o, y);
+}
+
+ffi::Error GemmBlk4Sym(ffi::ThreadPool pool, Matrix x, U4Panels q, Panels s,
+                       ffi::Result<Matrix> y) {
+  return GemmBlkAny("jspec_gemm_blk4_sym", pool, x, q, s, nullptr, y);
+}
+
 // The layer variants take every layer's q, then every layer's s (then o):
 // 2L or 3L buffers after the index.
-template <int kParts>
+template <typename QPanels, int kParts>
 ffi::Error GemmBlkLayerAny(const char* name, ffi::ThreadPool& pool, Matrix& x, LayerIndex& layer,
                            ffi::RemainingArgs& weights, ffi::Result<Matrix>& y) {
   const int64_t layers = static_cast<int64_t>(weights.size()) / kParts;
@@ -940,7 +1021,7 @@ ffi::Error GemmBlkLayerAny(const char* name, ffi::ThreadPool& pool, Matrix& x, L
                                        std::to_string(weights.size()) + " buffers not " +
                                        std::to_string(kParts) + " per layer");
   }
-  auto q = weights.get<S8Panels>(i);
+  auto q = weights.get<QPanels>(i);
   if (!q.has_value()) return q.error();
   auto s = weights.get<Panels>(layers + i);
   if (!s.has_value()) return s.error();
@@ -952,12 +1033,22 @@ ffi::Error GemmBlkLayerAny(const char* name, ffi::ThreadPool& pool, Matrix& x, L
 
 ffi::Error GemmBlkLayer(ffi::ThreadPool pool, Matrix x, LayerIndex layer,
                         ffi::RemainingArgs weights, ffi::Result<Matrix> y) {
-  return GemmBlkLayerAny<3>("jspec_gemm_blk_layer", pool, x, layer, weights, y);
+  return GemmBlkLayerAny<S8Panels, 3>("jspec_gemm_blk_layer", pool, x, layer, weights, y);
 }
 
 ffi::Error GemmBlkSymLayer(ffi::ThreadPool pool, Matrix x, LayerIndex layer,
                            ffi::RemainingArgs weights, ffi::Result<Matrix> y) {
-  return GemmBlkLayerAny<2>("jspec_gemm_blk_sym_layer", pool, x, layer, weights, y);
+  return GemmBlkLayerAny<S8Panels, 2>("jspec_gemm_blk_sym_layer", pool, x, layer, weights, y);
+}
+
+ffi::Error GemmBlk4Layer(ffi::ThreadPool pool, Matrix x, LayerIndex layer,
+                         ffi::RemainingArgs weights, ffi::Result<Matrix> y) {
+  return GemmBlkLayerAny<U4Panels, 3>("jspec_gemm_blk4_layer", pool, x, layer, weights, y);
+}
+
+ffi::Error GemmBlk4SymLayer(ffi::ThreadPool pool, Matrix x, LayerIndex layer,
+                            ffi::RemainingArgs weights, ffi::Result<Matrix> y) {
+  return GemmBlkLayerAny<U4Panels, 2>("jspec_gemm_blk4_sym_layer", pool, x, layer, weights, y);
 }
 
 }  // namespace
@@ -988,6 +1079,39 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlkLayer, GemmBlkLayer,
                                   .Ret<Matrix>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlkSymLayer, GemmBlkSymLayer,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<LayerIndex>()
+                                  .RemainingArgs()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlk4, GemmBlk4,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<U4Panels>()
+                                  .Arg<Panels>()
+                                  .Arg<Panels>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlk4Sym, GemmBlk4Sym,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<U4Panels>()
+                                  .Arg<Panels>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlk4Layer, GemmBlk4Layer,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<LayerIndex>()
+                                  .RemainingArgs()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlk4SymLayer, GemmBlk4SymLayer,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()

@@ -51,14 +51,17 @@ TARGET_INT8 = "jspec_gemm_i8"  # u8 x s8, AVX-512 VNNI
 TARGET_S8 = "jspec_gemm_s8"  # s8 x s8, AVX2
 TARGET_BLK = "jspec_gemm_blk"  # f32 x int8 blocks with scales and offsets (`matmul_blocks`)
 TARGET_BLK_SYM = "jspec_gemm_blk_sym"  # the same without offsets
+TARGET_BLK4 = "jspec_gemm_blk4"  # the same with q in [0, 15] stored two per byte
+TARGET_BLK4_SYM = "jspec_gemm_blk4_sym"
 TARGET_BF16 = "jspec_gemm_bf16"  # f32 x bf16 panels widened exactly (`matmul_bf16`)
 # The same products with the weight picked from one buffer per layer (`LayerPick`).
 LAYER_TARGETS = {t: t + "_layer" for t in (TARGET, TARGET_INT8, TARGET_S8, TARGET_BLK,
-                                           TARGET_BLK_SYM, TARGET_BF16)}
+                                           TARGET_BLK_SYM, TARGET_BLK4, TARGET_BLK4_SYM,
+                                           TARGET_BF16)}
 TARGET_ATTEND = "jspec_attend_f32"  # decode attention over the cache (`jspec.cpu_attention`)
 TARGET_F32S8 = "jspec_gemm_f32s8"  # f32 x s8 -> f32, the greedy head's estimate (`jspec.greedy_head`)
 TARGETS = (TARGET, TARGET_INT8, TARGET_S8, *LAYER_TARGETS.values(), TARGET_ATTEND, TARGET_F32S8,
-           TARGET_BLK, TARGET_BLK_SYM, TARGET_BF16)
+           TARGET_BLK, TARGET_BLK_SYM, TARGET_BLK4, TARGET_BLK4_SYM, TARGET_BF16)
 SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
 # The attention kernel, built into the same library; both sources include the
 # thread helpers of HEADERS.
@@ -69,7 +72,9 @@ _SYMBOLS = {TARGET: "JspecGemmF32", TARGET_INT8: "JspecGemmI8", TARGET_S8: "Jspe
             LAYER_TARGETS[TARGET_S8]: "JspecGemmS8Layer", TARGET_ATTEND: "JspecAttendF32",
             TARGET_F32S8: "JspecGemmF32S8", TARGET_BLK: "JspecGemmBlk",
             TARGET_BLK_SYM: "JspecGemmBlkSym", LAYER_TARGETS[TARGET_BLK]: "JspecGemmBlkLayer",
-            LAYER_TARGETS[TARGET_BLK_SYM]: "JspecGemmBlkSymLayer", TARGET_BF16: "JspecGemmBf16",
+            LAYER_TARGETS[TARGET_BLK_SYM]: "JspecGemmBlkSymLayer", TARGET_BLK4: "JspecGemmBlk4",
+            TARGET_BLK4_SYM: "JspecGemmBlk4Sym", LAYER_TARGETS[TARGET_BLK4]: "JspecGemmBlk4Layer",
+            LAYER_TARGETS[TARGET_BLK4_SYM]: "JspecGemmBlk4SymLayer", TARGET_BF16: "JspecGemmBf16",
             LAYER_TARGETS[TARGET_BF16]: "JspecGemmBf16Layer"}
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
 # How long the compiler may run before jspec gives up on the kernels for
@@ -500,29 +505,38 @@ def build(source: pathlib.Path = SOURCE) -> pathlib.Path:
 # --- int8 block weights (`convert.gguf_blocks`): the compact target ---
 
 BLOCK_SIZES = (16, 32)  # weights per scale that `jspec_gemm_blk` takes
+NIBBLE_MAX = 15  # q in [0, NIBBLE_MAX] (Q4_K, Q4_1, Q2_K) is stored two to a byte
 
 
-def pack_blocks(q: jax.Array, scale: jax.Array, offset: Optional[jax.Array] = None
+def pack_blocks(q: jax.Array, scale: jax.Array, offset: Optional[jax.Array] = None,
+                nibbles: Optional[bool] = None
                 ) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
   """An int8 block matrix [out, in] as the block kernel's panels, each output column's K contiguous.
 
   The matrix is w[n, k] = scale[n, k // B] * q[n, k] + offset[n, k // B]
   (`convert.gguf_blocks.Blocks`, [out, in] like HF); its panels lay it out
   as `pack` lays out a float [in, out] kernel, so that the same x @ W reads
-  a quarter of the bytes.
+  a quarter of the bytes. Where every q is in [0, 15] (4-bit k-quants) the
+  panels hold two q to a byte (`pack_nibbles`), so a decode step, which is
+  bound by the bytes it reads, reads 0.75 instead of 1.25 bytes a weight for
+  the same numbers.
 
   Args:
     q: [N, K] int8, N a multiple of `PANEL`.
-    scale: [N, K / B] float32, B in `BLOCK_SIZES` (any B for the einsum).
+    scale: [N, K / B] float32, B in `BLOCK_SIZES` (any even B for the einsum).
     offset: [N, K / B] float32, or None.
+    nibbles: True: two q to a byte (every q must be in [0, 15] and K even);
+      False: one int8 q a byte; None: nibbles where they can hold q.
 
   Returns:
-    (qpanels [N/32, K, 32] int8 with qpanels[p, k, c] = q[32p + c, k],
+    (qpanels [N/32, K, 32] int8 with qpanels[p, k, c] = q[32p + c, k], or
+    with nibbles [N/32, K/2, 32] uint8 (`pack_nibbles`),
     spanels [N/32, K/B, 32] float32 with spanels[p, j, c] = scale[32p + c, j],
     opanels the same for offset, or None).
 
   Raises:
-    ValueError: N is not a multiple of `PANEL`, q is not int8, or the scales do not divide K.
+    ValueError: N is not a multiple of `PANEL`, q is not int8, the scales do
+      not divide K, or nibbles were asked for q that they cannot hold.
   """
   n, k = q.shape
   if n % PANEL or q.dtype != jnp.int8:
@@ -532,19 +546,68 @@ def pack_blocks(q: jax.Array, scale: jax.Array, offset: Optional[jax.Array] = No
     raise ValueError(f"scales {scale.shape} do not divide a [{n}, {k}] matrix into blocks")
   if offset is not None and offset.shape != scale.shape:
     raise ValueError(f"offsets {offset.shape} differ from scales {scale.shape}")
-  qp, sp = _pack_blocks(jnp.asarray(q), jnp.asarray(scale, jnp.float32))
+  if nibbles is None or nibbles:
+    fits = k % 2 == 0 and bool(_in_nibbles(jnp.asarray(q)))
+    if nibbles and not fits:
+      raise ValueError(f"cannot pack a [{n}, {k}] block matrix as nibbles: K must be even and "
+                       f"every q in [0, {NIBBLE_MAX}]")
+    nibbles = fits
+  qp, sp = _pack_blocks(jnp.asarray(q), jnp.asarray(scale, jnp.float32), nibbles)
   op = None if offset is None else _pack(jnp.asarray(offset, jnp.float32).T)
   return qp, sp, op
 
 
 @jax.jit
-def _pack_blocks(q: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-  return _pack(q.T), _pack(scale.T)  # [N/32, K, 32], [N/32, K/B, 32]
+def _in_nibbles(q: jax.Array) -> jax.Array:  # [N, K] int8 -> [] bool
+  return jnp.all((q >= 0) & (q <= NIBBLE_MAX))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _pack_blocks(q: jax.Array, scale: jax.Array, nibbles: bool) -> tuple[jax.Array, jax.Array]:
+  qp = _pack(q.T)  # [N/32, K, 32]
+  return (pack_nibbles(qp) if nibbles else qp), _pack(scale.T)  # ..., [N/32, K/B, 32]
+
+
+def is_nibbles(qpanels) -> bool:
+  """Whether block q panels (an array or a `LayerPick`) hold two q to a byte (`pack_nibbles`)."""
+  return jnp.dtype(qpanels.dtype) == jnp.uint8
+
+
+@jax.jit
+def pack_nibbles(qpanels: jax.Array) -> jax.Array:
+  """int8 block q panels with every q in [0, 15] as two q to a byte.
+
+  Args:
+    qpanels: [P, K, 32] int8, K even, every value in [0, 15].
+
+  Returns:
+    [P, K/2, 32] uint8: byte [p, i, c] holds q[p, 2i, c] in its low four
+    bits and q[p, 2i + 1, c] in its high four, so each 32-byte row of a
+    panel gives the kernel two k rows of it.
+  """
+  p, k, width = qpanels.shape
+  pairs = qpanels.astype(jnp.uint8).reshape(p, k // 2, 2, width)
+  return pairs[:, :, 0, :] | (pairs[:, :, 1, :] << 4)
+
+
+@jax.jit
+def unpack_nibbles(qpanels: jax.Array) -> jax.Array:
+  """The inverse of `pack_nibbles`: [P, K/2, 32] uint8 -> [P, K, 32] int8 in [0, 15]."""
+  p, half, width = qpanels.shape
+  pairs = jnp.stack([qpanels & 15, qpanels >> 4], axis=2)  # [P, K/2, 2, 32]
+  return pairs.reshape(p, 2 * half, width).astype(jnp.int8)
+
+
+def block_inputs(qpanels) -> int:
+  """K of block q panels (an array or a `LayerPick`): their rows, twice that for nibbles."""
+  return qpanels.shape[1] * (2 if is_nibbles(qpanels) else 1)
 
 
 def unpack_blocks(qpanels: jax.Array, spanels: jax.Array, opanels: Optional[jax.Array] = None
                   ) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
-  """The inverse of `pack_blocks`: (q [N, K], scale [N, K/B], offset or None), new arrays."""
+  """The inverse of `pack_blocks`: (q [N, K] int8, scale [N, K/B], offset or None), new arrays."""
+  if is_nibbles(qpanels):
+    qpanels = unpack_nibbles(qpanels)
   return (_unpack(jnp.asarray(qpanels)).T, _unpack(jnp.asarray(spanels)).T,
           None if opanels is None else _unpack(jnp.asarray(opanels)).T)
 
@@ -554,11 +617,13 @@ def widen_blocks(qpanels: jax.Array, spanels: jax.Array, opanels: Optional[jax.A
   """The float32 panels that block panels define: scale * q + offset, [N/32, K, 32].
 
   Args:
-    qpanels, spanels, opanels: as `pack_blocks` returns them.
+    qpanels, spanels, opanels: as `pack_blocks` returns them (int8 or nibbles).
 
   Returns:
     [N/32, K, 32] float32, as `pack` lays out the widened [K, N] matrix.
   """
+  if is_nibbles(qpanels):
+    qpanels = unpack_nibbles(qpanels)
   p, k, width = qpanels.shape
   blocks = spanels.shape[1]
   w = qpanels.astype(jnp.float32).reshape(p, blocks, k // blocks, width) * spanels[:, :, None, :]
@@ -570,15 +635,17 @@ def widen_blocks(qpanels: jax.Array, spanels: jax.Array, opanels: Optional[jax.A
 def matmul_blocks(x: jax.Array, qpanels, spanels, opanels=None) -> jax.Array:
   """x @ W for W stored as int8 block panels: [..., K] -> [..., N] float32.
 
-  Runs `jspec_gemm_blk` (or `_sym` without offsets) where the kernel is
-  available, x is float32, B is in `BLOCK_SIZES` and the program runs on
-  CPU; otherwise an einsum over `widen_blocks`. The kernel sums in another
-  order than the einsum (a decode step's few rows block by block; many rows
-  exactly as `matmul` over the widened panels).
+  Runs `jspec_gemm_blk` (or `_sym` without offsets; `jspec_gemm_blk4` and
+  `_blk4_sym` for nibble panels, whose outputs are the int8 kernel's on the
+  same q bit for bit) where the kernel is available, x is float32, B is in
+  `BLOCK_SIZES` and the program runs on CPU; otherwise an einsum over
+  `widen_blocks`. The kernel sums in another order than the einsum (a
+  decode step's few rows block by block; many rows exactly as `matmul` over
+  the widened panels).
 
   Args:
     x: [..., K] float32 activations.
-    qpanels: [N/32, K, 32] int8, or a `LayerPick` of such.
+    qpanels: [N/32, K, 32] int8 or [N/32, K/2, 32] uint8 nibbles, or a `LayerPick` of such.
     spanels: [N/32, K/B, 32] float32 (a `LayerPick` where qpanels is one).
     opanels: [N/32, K/B, 32] float32, None, or a `LayerPick`.
 
@@ -593,9 +660,15 @@ def matmul_blocks(x: jax.Array, qpanels, spanels, opanels=None) -> jax.Array:
   layered = isinstance(qpanels, LayerPick)
   if any(isinstance(w, LayerPick) != layered for w in picks):
     raise ValueError("matmul_blocks: q, scales and offsets must all be LayerPicks or all arrays")
+  if block_inputs(qpanels) != k:
+    raise ValueError(f"matmul_blocks: x has {k} inputs, the q panels {qpanels.shape} "
+                     f"{jnp.dtype(qpanels.dtype)} hold {block_inputs(qpanels)}")
   if (x.dtype == jnp.float32 and k % blocks == 0 and k // blocks in BLOCK_SIZES and available()
       and jax.default_backend() == "cpu"):
-    target = TARGET_BLK if opanels is not None else TARGET_BLK_SYM
+    if is_nibbles(qpanels):
+      target = TARGET_BLK4 if opanels is not None else TARGET_BLK4_SYM
+    else:
+      target = TARGET_BLK if opanels is not None else TARGET_BLK_SYM
     out_type = jax.ShapeDtypeStruct((rows.shape[0], p * width), jnp.float32)
     if layered:
       buffers = [b for w in picks for b in w.weights]

@@ -18,8 +18,9 @@ is read. Stored forms:
   Int8        [O, I] int8 and a scale per output: the int8 draft, XLA's dot
   Int8Panels  the same as the int8 kernel's panels, with row sums
   Blocks      a checkpoint's own int8 blocks (GGUF k-quants, exactly) as panels,
-              with a float32 scale (and offset) per block of inputs; also
-              the lossy int8 target's rows (`to_int8_blocks`)
+              with a float32 scale (and offset) per block of inputs, q in
+              [0, 15] two to a byte; also the lossy int8 target's rows
+              (`to_int8_blocks`)
   BF16Panels  bfloat16 kernel panels (a bfloat16 checkpoint, exactly)
 
 Axis letters in shape comments: I inputs, O outputs, V vocabulary, D width.
@@ -28,7 +29,7 @@ Axis letters in shape comments: I inputs, O outputs, V vocabulary, D width.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -113,16 +114,23 @@ class Blocks:
   sum rounded in float32 as the checkpoint's own dequantizer does, so it
   holds a GGUF k-quant's numbers exactly (`convert.gguf_blocks`), in about
   a quarter of float32's bytes; laid out as the block kernel's panels.
+  Where every q is in [0, 15] (4-bit k-quants) q is uint8 with two q to a
+  byte (`cpu_kernels.pack_nibbles`): q's dtype says which.
   """
 
-  q: Any  # [O/32, I, 32] int8 (or a `cpu_kernels.LayerPick`)
+  q: Any  # [O/32, I, 32] int8 or [O/32, I/2, 32] uint8 nibbles (or a `cpu_kernels.LayerPick`)
   scale: Any  # [O/32, I/B, 32] float32
   offset: Any = None  # [O/32, I/B, 32] float32, or None for symmetric types
 
   @property
   def shape(self) -> tuple[int, int]:
-    n, i, width = self.q.shape
-    return (i, n * width)
+    n, _, width = self.q.shape
+    return (cpu_kernels.block_inputs(self.q), n * width)
+
+  @property
+  def block(self) -> int:
+    """B: inputs per scale."""
+    return self.shape[0] // self.scale.shape[1]
 
 
 @jax.tree_util.register_dataclass
@@ -199,7 +207,10 @@ def lookup(w: Leaf, ids: jax.Array) -> jax.Array:
     return q.astype(jnp.float32) * w.scale[ids][..., None]
   if isinstance(w, Blocks):
     p, c = ids // PANEL, ids % PANEL
-    q = w.q[p, :, c].astype(jnp.float32)  # [..., I]
+    q = w.q[p, :, c]  # [..., I] int8, or [..., I/2] nibbles
+    if cpu_kernels.is_nibbles(w.q):
+      q = jnp.stack([q & 15, q >> 4], axis=-1).reshape(*q.shape[:-1], -1)  # [..., I]
+    q = q.astype(jnp.float32)
     scale = w.scale[p, :, c]  # [..., I/B]
     blocked = q.reshape(*q.shape[:-1], scale.shape[-1], -1) * scale[..., None]  # [..., I/B, B]
     if w.offset is not None:  # rounded after the product, as the checkpoint's dequantizer
@@ -267,13 +278,15 @@ def to_panels(w: Leaf) -> Leaf:
   raise TypeError(f"cannot store a {type(w).__name__} weight in float panels")
 
 
-def blocks(q, scale, offset=None) -> Leaf:
+def blocks(q, scale, offset=None, nibbles: Optional[bool] = None) -> Leaf:
   """A checkpoint's int8 blocks ([out, in], `convert.gguf_blocks.Blocks`' arrays) as a leaf.
 
   Args:
     q: [O, I] int8.
     scale: [O, I/B] float32.
     offset: [O, I/B] float32, or None.
+    nibbles: q two to a byte: None where every q is in [0, 15], or always
+      (True) or never (False); see `cpu_kernels.pack_blocks`.
 
   Returns:
     A `Blocks` leaf, or (outputs not a multiple of 32) the `Dense` matrix
@@ -285,7 +298,7 @@ def blocks(q, scale, offset=None) -> Leaf:
     if offset is not None:
       w = w + offset[:, :, None]
     return dense(w.reshape(q.shape).T)
-  return Blocks(*jax.block_until_ready(cpu_kernels.pack_blocks(q, scale, offset)))
+  return Blocks(*jax.block_until_ready(cpu_kernels.pack_blocks(q, scale, offset, nibbles)))
 
 
 def to_bf16_panels(w: Leaf) -> Leaf:
@@ -341,7 +354,8 @@ def to_int8_blocks(w: Leaf) -> Leaf:
   q, scale = _int8_rows(w)
   i = q.shape[1]
   size = INT8_BLOCK if i % INT8_BLOCK == 0 else i
-  out = blocks(q, jnp.repeat(scale[:, None], i // size, axis=1))  # scale [O, I/B]
+  # q is signed: a byte each (an all-zero matrix would fit nibbles; kept alike).
+  out = blocks(q, jnp.repeat(scale[:, None], i // size, axis=1), nibbles=False)  # scale [O, I/B]
   if isinstance(w, Table) and isinstance(out, Dense):
     return Table(out.w.T)  # a table the block kernel cannot hold: read by rows
   return out
@@ -406,8 +420,10 @@ def uniform(leaves: Sequence[Leaf]) -> list[Leaf]:
   agree in shape. A GGUF may store a matrix in different k-quants from layer
   to layer (Q4_K_M keeps some layers' `ffn_down` and `attn_v` in Q6_K): such
   blocks are split to the smallest block size, each part keeping its block's
-  scale, and symmetric blocks get zero offsets, which changes no value. Any
-  other mix is widened to float32 panels.
+  scale, and symmetric blocks get zero offsets, which changes no value;
+  where some layers hold q as nibbles and others as int8 (Q4_K beside
+  Q6_K), the nibbles are unpacked to int8, so one kernel reads every layer.
+  Any other mix is widened to float32 panels.
 
   Args:
     leaves: the same matrix of each layer.
@@ -420,17 +436,19 @@ def uniform(leaves: Sequence[Leaf]) -> list[Leaf]:
   if len({form(w) for w in leaves}) == 1:
     return leaves
   if all(isinstance(w, Blocks) for w in leaves) and len({w.shape for w in leaves}) == 1:
-    size = min(w.q.shape[1] // w.scale.shape[1] for w in leaves)
+    size = min(w.block for w in leaves)
     affine = any(w.offset is not None for w in leaves)
+    unpack = len({cpu_kernels.is_nibbles(w.q) for w in leaves}) > 1
 
     def split(w: Blocks) -> Blocks:
-      times = (w.q.shape[1] // w.scale.shape[1]) // size
+      q = cpu_kernels.unpack_nibbles(w.q) if unpack and cpu_kernels.is_nibbles(w.q) else w.q
+      times = w.block // size
       scale = jnp.repeat(w.scale, times, axis=1)  # [O/32, I/size, 32]
       if w.offset is not None:
         offset = jnp.repeat(w.offset, times, axis=1)
       else:
         offset = jnp.zeros_like(scale) if affine else None
-      return Blocks(w.q, *jax.block_until_ready((scale, offset)))
+      return Blocks(*jax.block_until_ready((q, scale, offset)))
 
     return [split(w) for w in leaves]
   return [to_panels(to_float(w)) for w in leaves]

@@ -160,14 +160,16 @@ def matrix_bytes(name: str, out: int, inp: int, storage: str) -> int:
     storage: "bf16", "blocks" or "f32".
 
   Returns:
-    Bytes: values, plus a float32 scale (and offset) per block for "blocks".
+    Bytes: values, plus a float32 scale (and offset) per block for "blocks"
+    (Q4_K-like values, in [0, 15], two to a byte: `cpu_kernels.pack_blocks`).
   """
   if storage == "bf16":
     return 2 * out * inp
   if storage == "f32":
     return 4 * out * inp
   size, offsets = form_of(name, storage)
-  return out * inp + 4 * (2 if offsets else 1) * out * (inp // size)
+  values = out * inp // 2 if offsets else out * inp
+  return values + 4 * (2 if offsets else 1) * out * (inp // size)
 
 
 def kv_cache_bytes(cfg: config_lib.Qwen2Config, slots: int) -> int:

@@ -1,0 +1,229 @@
+"""Block q in [0, 15] stored two to a byte (`cpu_kernels.pack_nibbles`): the same model in fewer bytes.
+
+A 4-bit k-quant (Q4_K) holds q in [0, 15]; stored one to an int8 byte it
+reads 1.25 bytes a weight with its float32 scale and offset, as nibbles
+0.75. The nibble kernel (`jspec_gemm_blk4`) must compute exactly what the
+int8 one (`jspec_gemm_blk`) computes on the unpacked q: the same floats,
+summed in the same order, so every output here is compared bit for bit
+with it, not within a tolerance.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+import tiny
+from jspec import bundle as bundle_lib
+from jspec import cache as cache_lib
+from jspec import cpu_kernels
+from jspec import model
+from jspec import prepared
+from jspec import weights
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
+                                   reason=f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
+
+
+def _blocks(n, k, b, offsets, seed):
+  """Q4_K-like blocks of an [n, k] matrix: q in [0, 15] int8, scale [n, k/b], offset or None."""
+  rng = np.random.default_rng(seed)
+  q = rng.integers(0, 16, (n, k), dtype=np.int8)
+  s = (rng.uniform(0.5, 2.0, (n, k // b)) * 1e-2).astype(np.float32)
+  o = (rng.standard_normal((n, k // b)) * 1e-2).astype(np.float32) if offsets else None
+  return q, s, o
+
+
+def _pack(q, s, o, nibbles):
+  return cpu_kernels.pack_blocks(jnp.asarray(q), jnp.asarray(s),
+                                 None if o is None else jnp.asarray(o), nibbles=nibbles)
+
+
+def _bits(a):
+  return np.asarray(a, np.float32).view(np.uint32)
+
+
+def test_pack_nibbles_lays_out_two_k_rows_a_byte_and_round_trips():
+  q, s, o = _blocks(96, 64, 16, True, seed=1)
+  qp, sp, op = cpu_kernels.pack_blocks(jnp.asarray(q), jnp.asarray(s), jnp.asarray(o))
+  assert qp.shape == (3, 32, 32) and qp.dtype == jnp.uint8  # every q in [0, 15]: nibbles
+  assert cpu_kernels.is_nibbles(qp) and cpu_kernels.block_inputs(qp) == 64
+  # byte [p, i, c]: q[32p + c, 2i] low, q[32p + c, 2i + 1] high
+  got = np.asarray(qp)
+  for p, i, c in [(0, 0, 0), (2, 17, 5), (1, 31, 31), (0, 8, 30)]:
+    assert int(got[p, i, c]) == int(q[32 * p + c, 2 * i]) + 16 * int(q[32 * p + c, 2 * i + 1])
+  back = cpu_kernels.unpack_blocks(qp, sp, op)
+  assert back[0].dtype == jnp.int8
+  for a, b in zip(back, (q, s, o)):
+    np.testing.assert_array_equal(np.asarray(a), b)
+  wide = _pack(q, s, o, nibbles=False)
+  assert wide[0].dtype == jnp.int8 and wide[0].shape == (3, 64, 32)
+  np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_nibbles(qp)), np.asarray(wide[0]))
+  np.testing.assert_array_equal(np.asarray(cpu_kernels.pack_nibbles(wide[0])), got)
+  np.testing.assert_array_equal(_bits(cpu_kernels.widen_blocks(qp, sp, op)),
+                                _bits(cpu_kernels.widen_blocks(*wide)))
+
+
+def test_q_outside_nibbles_stays_int8_and_nibbles_are_refused_for_it():
+  q, s, o = _blocks(32, 64, 32, True, seed=2)
+  for bad in (16, -1):
+    q2 = q.copy()
+    q2[5, 7] = bad
+    assert _pack(q2, s, o, None)[0].dtype == jnp.int8
+    with pytest.raises(ValueError, match="nibbles"):
+      _pack(q2, s, o, True)
+  assert _pack(q, s, o, None)[0].dtype == jnp.uint8
+  assert _pack(q, s, o, False)[0].dtype == jnp.int8
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 9, 13, 17, 64])
+@pytest.mark.parametrize("b,k", [(16, 80), (32, 96), (32, 1536)])  # K not a multiple of 64; a real K
+@pytest.mark.parametrize("offsets", [False, True])
+def test_nibble_kernel_is_the_int8_kernel_bit_for_bit(m, b, k, offsets):
+  # N = 224: seven panels, so four (and two) in step leave some over.
+  q, s, o = _blocks(224, k, b, offsets, seed=m + k)
+  x = np.random.default_rng(100 + m).standard_normal((m, k)).astype(np.float32)
+  run = jax.jit(cpu_kernels.matmul_blocks)
+  nib, wide = _pack(q, s, o, True), _pack(q, s, o, False)
+  y = run(jnp.asarray(x), *nib)
+  assert y.shape == (m, 224)
+  np.testing.assert_array_equal(_bits(y), _bits(run(jnp.asarray(x), *wide)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("offsets", [False, True])
+@pytest.mark.parametrize("b", [16, 32])
+def test_layer_variant_is_the_int8_layer_variant_bit_for_bit(offsets, b):
+  layers = [_blocks(96, 4 * b, b, offsets, seed=20 + i) for i in range(3)]
+  x = np.random.default_rng(11).standard_normal((5, 4 * b)).astype(np.float32)
+
+  def picked(nibbles):
+    packed = [_pack(*blk, nibbles) for blk in layers]
+    parts = 3 if offsets else 2
+
+    @jax.jit
+    def run(index, x):
+      picks = [cpu_kernels.LayerPick(tuple(p[part] for p in packed), index) for part in range(parts)]
+      return cpu_kernels.matmul_blocks(x, *picks)
+
+    return run
+
+  nib, wide = picked(True), picked(False)
+  for i, blk in enumerate(layers):
+    for rows in (x[:1], x[:3], x):
+      y = nib(jnp.int32(i), jnp.asarray(rows))
+      np.testing.assert_array_equal(_bits(y), _bits(wide(jnp.int32(i), jnp.asarray(rows))))
+      np.testing.assert_array_equal(_bits(y), _bits(cpu_kernels.matmul_blocks(
+          jnp.asarray(rows), *_pack(*blk, True))))  # that layer's own
+
+
+def test_the_einsum_fallback_reads_nibbles(monkeypatch):
+  q, s, o = _blocks(64, 96, 32, True, seed=5)
+  x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 3, 96)), jnp.float32)
+  monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+  y = cpu_kernels.matmul_blocks(x, *_pack(q, s, o, True))
+  assert y.shape == (2, 3, 64)
+  np.testing.assert_array_equal(_bits(y), _bits(cpu_kernels.matmul_blocks(x, *_pack(q, s, o, False))))
+  with pytest.raises(ValueError, match="inputs"):  # a K that the nibbles do not hold
+    cpu_kernels.matmul_blocks(x[..., :48], *_pack(q, s, o, True))
+
+
+def test_a_blocks_leaf_of_nibbles_reads_as_its_int8_twin():
+  q, s, o = _blocks(64, 96, 32, True, seed=7)
+  nib, wide = weights.blocks(q, s, o), weights.blocks(q, s, o, nibbles=False)
+  assert nib.q.dtype == jnp.uint8 and wide.q.dtype == jnp.int8
+  assert nib.shape == wide.shape == (96, 64) and nib.block == wide.block == 32
+  np.testing.assert_array_equal(_bits(weights.matrix(nib)), _bits(weights.matrix(wide)))
+  ids = jnp.asarray([[0, 5, 63], [31, 32, 40]])
+  np.testing.assert_array_equal(_bits(weights.lookup(nib, ids)), _bits(weights.lookup(wide, ids)))
+  # 96 x 64 q: half a byte each instead of one; the scales and offsets alike
+  assert weights.nbytes(wide) - weights.nbytes(nib) == 96 * 64 // 2
+  lossy = weights.to_int8_blocks(weights.Dense(jnp.zeros((96, 64), jnp.float32)))
+  assert lossy.q.dtype == jnp.int8  # the lossy target's q is signed: kept a byte each
+
+
+def test_uniform_unpacks_nibbles_beside_int8_layers():
+  # Q4_K (nibbles, affine, B 32) in layers 0 and 2, Q6_K (int8, symmetric, B 16) in layer 1.
+  rng = np.random.default_rng(8)
+  q6 = rng.integers(-32, 32, (64, 128), dtype=np.int8)
+  mixed = [weights.blocks(*_blocks(64, 128, 32, True, 0)),
+           weights.blocks(q6, rng.uniform(0.01, 0.02, (64, 8)).astype(np.float32)),
+           weights.blocks(*_blocks(64, 128, 32, True, 2))]
+  assert [w.q.dtype for w in mixed] == [jnp.uint8, jnp.int8, jnp.uint8]
+  same = weights.uniform(mixed)
+  assert all(w.q.dtype == jnp.int8 and w.q.shape == (2, 128, 32) for w in same)
+  assert all(w.scale.shape == (2, 8, 32) and w.offset is not None for w in same)
+  for before, after in zip(mixed, same):
+    np.testing.assert_array_equal(_bits(weights.matrix(after)), _bits(weights.matrix(before)))
+  nibbles = [mixed[0], mixed[2]]
+  assert weights.uniform(nibbles) == nibbles  # all nibbles: unchanged
+
+
+def _q4_pair(seed: int, nibbles, q6_down_layer=None) -> jspec.Bundle:
+  """The packable tiny pair with its target's matrices as Q4_K-like blocks (q in [0, 15], B = 32).
+
+  Args:
+    seed: weights' seed.
+    nibbles: `weights.blocks`' nibbles (None: where q fits, True, False).
+    q6_down_layer: this layer's down projection Q6_K-like instead (int8 q
+      in [-32, 31], B = 16, no offsets), as Q4_K_M mixes them in one role.
+  """
+  bundle = tiny.packable_pair(seed, draft_int8=False)
+
+  def to_blocks(path, w):
+    if not weights.is_leaf(w):
+      return w  # norm scales, biases
+    m = np.asarray(weights.matrix(w)).T  # [out, in]
+    if m.shape[0] % 32:
+      return w
+    if q6_down_layer is not None and model.path_name(path) == f"layers/{q6_down_layer}/mlp/down/w":
+      scale = (np.abs(m).reshape(m.shape[0], -1, 16).max(-1) / 31).astype(np.float32)
+      q = np.clip(np.round(m.reshape(m.shape[0], -1, 16) / scale[..., None]), -32, 31)
+      return weights.blocks(q.astype(np.int8).reshape(m.shape), scale)
+    lo = m.reshape(m.shape[0], -1, 32).min(-1)
+    hi = m.reshape(m.shape[0], -1, 32).max(-1)
+    scale = ((hi - lo) / 15).astype(np.float32)
+    q = np.clip(np.round((m.reshape(m.shape[0], -1, 32) - lo[..., None]) / scale[..., None]),
+                0, 15).astype(np.int8).reshape(m.shape)
+    return weights.blocks(q, scale, lo.astype(np.float32), nibbles=nibbles)
+
+  params = jax.tree_util.tree_map_with_path(
+      to_blocks, model.init_params(tiny.PACKABLE_TARGET, jax.random.key(seed), scale=0.3),
+      is_leaf=weights.is_leaf)
+  target = bundle_lib.prepare(tiny.PACKABLE_TARGET, params)
+  return jspec.Bundle(target, bundle.draft)
+
+
+def _block_leaves(params):
+  return [w for w in jax.tree.leaves(params, is_leaf=weights.is_leaf) if isinstance(w, weights.Blocks)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("q6_down_layer", [None, 1])
+def test_a_nibble_target_is_the_int8_target_bit_for_bit(q6_down_layer, tmp_path):
+  nib, wide = (_q4_pair(4, n, q6_down_layer) for n in (None, False))
+  dtypes = [w.q.dtype for w in _block_leaves(nib.target.params)]
+  assert jnp.uint8 in dtypes and all(w.q.dtype == jnp.int8 for w in _block_leaves(wide.target.params))
+  if q6_down_layer is not None:  # the mixed role is int8 in every layer, the others nibbles
+    downs = [layer["mlp"]["down"]["w"] for layer in nib.target.params["layers"].values()]
+    assert all(w.q.dtype == jnp.int8 for w in downs) and downs[0].offset is not None
+  assert weights.nbytes(nib.target.params) < weights.nbytes(wide.target.params)
+  cfg = tiny.PACKABLE_TARGET
+  tokens = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 23)), jnp.int32)
+  run = lambda m: model.forward(m.arch, m.params, tokens, cache_lib.init(cfg, 2, 32))[0]
+  np.testing.assert_array_equal(_bits(run(nib.target)), _bits(run(wide.target)))
+  prompt = [2, 7, 1, 8, 2, 8, 1, 8]
+  want = jspec.generate(wide, prompt, max_new_tokens=20, method="target").token_ids
+  assert jspec.generate(nib, prompt, max_new_tokens=20, method="target").token_ids == want
+  assert jspec.generate(nib, prompt, max_new_tokens=20, gamma=4, policy="fixed").token_ids == want
+  # the prepared store keeps the uint8 leaves as they are
+  path = prepared.save(tmp_path / "t.safetensors", nib.target, "k" * 64)
+  back = prepared.load(path, "k" * 64)
+  for a, b in zip(_block_leaves(nib.target.params), _block_leaves(back.params)):
+    assert a.q.dtype == b.q.dtype and a.q.shape == b.q.shape
+    np.testing.assert_array_equal(np.asarray(a.q), np.asarray(b.q))
+  np.testing.assert_array_equal(_bits(run(back)), _bits(run(nib.target)))
