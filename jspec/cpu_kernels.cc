@@ -747,14 +747,19 @@ constexpr int64_t kBlkAhead = 64 * kPanel;
 
 // kLanes q in [0, 15] of a nibble panel row as floats: the low four bits of
 // each byte (HIGH false: k = 2i) or the high four (HIGH true: k = 2i + 1).
+// AVX-512 looks the float up in a 16-entry table (`vpermps` reads only an
+// index's low four bits, so the low nibble needs no mask): one operation
+// fewer per vector than masking and converting, which matters because one
+// row of nibbles is bound by these operations, not by the bytes read
+// (docs/decisions-compact.md). AVX2's table would hold only 8 entries: it
+// masks and converts.
 template <bool HIGH>
 inline Vec WidenU4(const uint8_t* q) {
 #if defined(__AVX512F__)
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
   const __m512i wide = _mm512_cvtepu8_epi32(bytes);
-  const __m512i nib =
-      HIGH ? _mm512_srli_epi32(wide, 4) : _mm512_and_si512(wide, _mm512_set1_epi32(15));
-  const __m512 f = _mm512_cvtepi32_ps(nib);
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 f = _mm512_permutexvar_ps(HIGH ? _mm512_srli_epi32(wide, 4) : wide, table);
 #elif defined(__AVX2__)
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
   const __m256i wide = _mm256_cvtepu8_epi32(bytes);
