@@ -1,17 +1,21 @@
 """jspec's int8 block (and bfloat16) kernels against its fp32 kernel on the 1.5B target's matrices.
 
     python -m bench.tools.block_kernel [--m 1,3,5,9,17] [--reps 7] [--breakdown 1]
-                                       [--forms blk,f32,bf16] [--layers 28] [--json OUT]
+                                       [--forms blk,blk4,f32,bf16] [--layers 28] [--json OUT]
 
 Times, in one process, the products of one forward of the 1.5B target
 (Qwen2.5-Coder-1.5B: 28 layers of q [1536->1536], k, v [1536->256],
 o [1536->1536], gate, up [1536->8960], down [8960->1536], then the head
-[1536->151936]) with random weights in up to three forms:
+[1536->151936]) with random weights in up to four forms:
 
   blk   int8 block panels (`cpu_kernels.pack_blocks` layout), as the GGUF
-        file defines them: Q4_K (B 32, scales and offsets) for q, k, o,
-        gate, up and half of v and down, Q6_K (B 16, scales) for the other
-        half and the head; `cpu_kernels.matmul_blocks`.
+        file defines them: Q4_K (B 32, scales and offsets, q in [0, 15])
+        for q, k, o, gate, up and half of v and down, Q6_K (B 16, scales, q
+        in [-32, 31]) for the other half and the head, a byte per q;
+        `cpu_kernels.matmul_blocks`.
+  blk4  the same, with q two to a byte (`cpu_kernels.pack_nibbles`) where
+        every layer of a kind is Q4_K (q, k, o, gate, up), as the target is
+        prepared (`jspec.weights.uniform` keeps v and down a byte per q).
   f32   the same weights widened to float32 panels (`cpu_kernels.pack`
         layout); `cpu_kernels.matmul`. The baseline.
   bf16  those rounded to bfloat16 panels; `cpu_kernels.matmul_bf16`.
@@ -32,7 +36,7 @@ that rep's read. The load average before and after is printed too.
 Per M it prints each form's median ms, the GB/s of weight bytes actually
 read (blk: q + scales + offsets; f32: 4 bytes a weight; bf16: 2), that
 rate's fraction of the roof and its rep fraction, and the median of the
-paired speedups over f32. With --breakdown M it also times each matrix kind
+paired speedups over f32 (blk4 also over blk, "/blk"). With --breakdown M it also times each matrix kind
 alone at those M (all layers' copies of it in one program), to show where
 the time goes.
 """
@@ -53,7 +57,8 @@ from bench import shapes
 from jspec import cpu_kernels
 
 KINDS = ("q", "k", "v", "o", "gate", "up", "down")
-FORMS = ("blk", "f32", "bf16")
+FORMS = ("blk", "blk4", "f32", "bf16")
+NIBBLE_KINDS = ("q", "k", "o", "gate", "up")  # Q4_K in every layer of the Q4_K_M file
 READ_BYTES = 1 << 30  # each rep's read (`_Reads`)
 
 
@@ -76,7 +81,8 @@ def _blocks(key, k: int, n: int, block: int, offsets: bool):
   """Random int8 block panels of a [K, N] weight: (qpanels, spanels, opanels or None)."""
   kq, ks, ko = jax.random.split(key, 3)
   p = n // cpu_kernels.PANEL
-  q = jax.random.randint(kq, (p, k, cpu_kernels.PANEL), -32, 32, jnp.int8)
+  low, high = (0, 16) if offsets else (-32, 32)  # Q4_K's range, Q6_K's
+  q = jax.random.randint(kq, (p, k, cpu_kernels.PANEL), low, high, jnp.int8)
   s = jax.random.uniform(ks, (p, k // block, cpu_kernels.PANEL), jnp.float32, 1e-3, 2e-3)
   o = (jax.random.uniform(ko, s.shape, jnp.float32, -4e-3, 0.0) if offsets else None)
   return q, s, o
@@ -85,8 +91,11 @@ def _blocks(key, k: int, n: int, block: int, offsets: bool):
 def _weights(cfg, layers: int, key, forms) -> dict:
   """{form: {"layers": [{kind: weight}], "head": weight}} for each form."""
   specs = _layer_specs(cfg)
-  convert = {"blk": lambda b: b, "f32": jax.jit(cpu_kernels.widen_blocks),
-             "bf16": jax.jit(lambda *b: cpu_kernels.widen_blocks(*b).astype(jnp.bfloat16))}
+  widen, nibbles = jax.jit(cpu_kernels.widen_blocks), jax.jit(cpu_kernels.pack_nibbles)
+  convert = {"blk": lambda kind, b: b,
+             "blk4": lambda kind, b: (nibbles(b[0]), *b[1:]) if kind in NIBBLE_KINDS else b,
+             "f32": lambda kind, b: widen(*b),
+             "bf16": lambda kind, b: widen(*b).astype(jnp.bfloat16)}
   out = {f: {"layers": []} for f in forms}
   for i in range(layers + 1):  # the last is the head
     parts = {"head": (cfg.hidden_size, cfg.vocab_size)} if i == layers else specs
@@ -95,7 +104,7 @@ def _weights(cfg, layers: int, key, forms) -> dict:
       key, sub = jax.random.split(key)
       blocks = _blocks(sub, k, n, *_gguf_form(kind, i))
       for f in forms:
-        made[f][kind] = convert[f](*blocks) if f != "blk" else blocks
+        made[f][kind] = convert[f](kind, blocks)
     for f in forms:
       if i == layers:
         out[f]["head"] = made[f]["head"]
@@ -105,7 +114,7 @@ def _weights(cfg, layers: int, key, forms) -> dict:
 
 
 def _matmul(form: str):
-  if form == "blk":
+  if form in ("blk", "blk4"):
     return lambda x, w: cpu_kernels.matmul_blocks(x, *w)
   return cpu_kernels.matmul_bf16 if form == "bf16" else cpu_kernels.matmul
 
@@ -199,6 +208,9 @@ def _row(label: str, times: dict, nbytes: dict, roof: float, forms) -> dict:
     if f != "f32" and "f32" in forms:
       out[f]["speedup"] = float(np.median(np.array(times["f32"]) / t))
       text += f" {out[f]['speedup']:4.2f}x"
+    if f == "blk4" and "blk" in forms:
+      out[f]["over_blk"] = float(np.median(np.array(times["blk"]) / t))
+      text += f" {out[f]['over_blk']:4.2f}x/blk"
     parts.append(text)
   print(f"{label:>7s} read {out['read_gbs']:5.2f} | " + " | ".join(parts), flush=True)
   return out
