@@ -7,7 +7,8 @@ times, alternating call by call, one forward on a 512-slot cache holding
 `--filled` tokens per row: 1 x 1 (a target-only step), 8 x 1 (a serving
 step of 8 rows), 1 x 8 (the same 8 rows of products as one row's 8
 positions: what differs from 8 x 1 is attention and the cache), each
-greedy (the greedy head, as target-only runs) and with the full head.
+with `greedy` (the greedy head, where the target has one: a float32 head)
+and without.
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ import numpy as np
 
 import jspec
 from bench import prompts as prompts_lib
+from bench import results
 
 TARGET_RATIO = 3.0  # issue 37
 
@@ -226,17 +227,6 @@ def target_macs(bundle: jspec.Bundle) -> dict[str, int]:
   return {"layers": cfg.num_layers * per_layer, "head": d * cfg.vocab_size}
 
 
-def _write_json(doc: dict, path: pathlib.Path) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-  try:
-    with os.fdopen(fd, "w") as f:
-      json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
-  finally:
-    pathlib.Path(tmp).unlink(missing_ok=True)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Measures the passes and prints the bound as JSON.
 
@@ -341,7 +331,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
          "date": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg(),
          "prompts": [p.name for p in chosen], "max_new_tokens": n, "records": records,
          "summary": summary}
-  _write_json(doc, args.out)
+  results.write(doc, args.out)
   print(json.dumps(summary, indent=1))
   return 0
 
