@@ -161,7 +161,7 @@ def checkpoint_files(model: str, dtype: str = "float32") -> tuple[str, str]:
 
 def load(model: str, target: Optional[str], draft: Optional[str], dtype: Optional[str],
          random_weights: bool, smoke: bool, float_draft: bool = False,
-         draft_vocab: Optional[int] = None) -> Loaded:
+         draft_vocab: Optional[int] = None, draft_int4: bool = False) -> Loaded:
   """Loads (or builds) the pair a run measures.
 
   Args:
@@ -176,6 +176,7 @@ def load(model: str, target: Optional[str], draft: Optional[str], dtype: Optiona
       (`Loaded.float_bundle`).
     draft_vocab: `jspec.Settings.draft_vocab` for the run's draft (None:
       the Settings default; 0: the whole vocabulary).
+    draft_int4: `jspec.Settings.draft_int4` for the run's draft.
 
   Returns:
     The loaded models.
@@ -184,6 +185,8 @@ def load(model: str, target: Optional[str], draft: Optional[str], dtype: Optiona
   settings = bundle_lib.Settings()
   if draft_vocab is not None:
     settings = dataclasses.replace(settings, draft_vocab=draft_vocab)
+  if draft_int4:
+    settings = dataclasses.replace(settings, draft_int4=True)
   float_dtype = dtype if dtype not in (None, "exact") else "float32"  # random weights, float draft
   f_draft = None
   if smoke or random_weights:

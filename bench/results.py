@@ -42,7 +42,8 @@ LLAMACPP_BASELINES = ("llamacpp_target", "llamacpp_spec")
 BASELINES = ("target", "hf_target", "hf_assisted") + LLAMACPP_BASELINES
 # Settings that must match for --resume to reuse records measured earlier.
 RESUME_KEYS = ("model", "target", "draft", "suite", "max_new_tokens", "reps", "dtype",
-               "device", "stop_at_eos", "random_weights", "smoke", "draft_vocab")
+               "device", "stop_at_eos", "random_weights", "smoke", "draft_vocab",
+               "draft_int4")
 
 
 def new(settings: dict[str, Any]) -> dict[str, Any]:

@@ -50,6 +50,11 @@ class Settings:
       frequent tokens and the special ones (`jspec.draft_vocab`), a
       cheaper draft step; lossless, as the draft's q is then zero outside
       them. None (or 0): the whole vocabulary.
+    draft_int4: store the draft's matrices in 4 bits, a scale and an
+      offset per output and block of 32 inputs (`weights.to_int4_blocks`),
+      multiplied with float32 activations by the block kernel: fewer bytes
+      per draft step; lossless, as the output stays the target's. Needs
+      jspec's CPU kernels.
   """
 
   kernels: Optional[bool] = None
@@ -59,6 +64,7 @@ class Settings:
   fused_attention: bool = True
   scan_layers: bool = True
   draft_vocab: Optional[int] = None
+  draft_int4: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "draft_vocab", draft_vocab_lib.check(self.draft_vocab))
@@ -66,9 +72,15 @@ class Settings:
       if getattr(self, name) not in (None, True, False):
         raise ValueError(f"{name}={getattr(self, name)!r}: expected True, False or None "
                          "(the device's default)")
-    for name in ("target_int8", "greedy_head", "fused_attention", "scan_layers"):
+    for name in ("target_int8", "greedy_head", "fused_attention", "scan_layers", "draft_int4"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")
+    if self.draft_int4 and self.draft_int8 is not None:
+      raise ValueError(f"draft_int4=True with draft_int8={self.draft_int8}: expected draft_int8 "
+                       "None (the 4-bit draft replaces the int8 or float one)")
+    if self.draft_int4 and self.kernels is False:
+      raise ValueError("draft_int4=True with kernels=False: expected kernels True or None "
+                       "(the 4-bit draft runs on jspec's CPU kernels)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,9 +194,9 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
     cfg: the model's config.
     params: its params tree with float matrices (`model.init_params`, or
       a loaded checkpoint).
-    role: "target" or "draft" (a draft is int8 by default on CPU: its
-      output is exact either way; a target only with `target_int8`, which
-      is lossy; only a target gets a greedy head).
+    role: "target" or "draft" (a draft is int8 by default on CPU, 4-bit
+      with `draft_int4`: its output is exact either way; a target only with
+      `target_int8`, which is lossy; only a target gets a greedy head).
     settings: the load-time choices.
     consume: empty `params` as it goes (loading: peak memory is then the
       model plus one matrix); otherwise it is left as it was.
@@ -198,8 +210,9 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
     The prepared `Model`.
 
   Raises:
-    ValueError: an unknown role, kernels asked for where they cannot run,
-      or a draft_vocab past the vocabulary.
+    ValueError: an unknown role, kernels asked for where they cannot run
+      (or a 4-bit draft where they do not), or a draft_vocab past the
+      vocabulary.
   """
   if role not in ("target", "draft"):
     raise ValueError(f"role={role!r}: expected 'target' or 'draft'")
@@ -210,11 +223,17 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
   elif kernels and not (where == "cpu" and cpu_kernels.available()):
     raise ValueError("kernels=True, but jspec's CPU kernels cannot run here: "
                      + (cpu_kernels.unavailable_reason() or f"the params are on {where}"))
+  if role == "draft" and settings.draft_int4 and not kernels:
+    raise ValueError("draft_int4=True, but jspec's CPU kernels do not run here: expected a CPU "
+                     "where they build (" + (cpu_kernels.unavailable_reason()
+                                              or f"the params are on {where}") + ")")
   draft_int8 = role == "draft" and (settings.draft_int8 if settings.draft_int8 is not None
                                     else where == "cpu")
   if role == "target" and settings.target_int8:
     # Float activations, not the draft's W8A8: a verify row must equal the step's.
     convert_leaf = weights.to_int8_blocks
+  elif role == "draft" and settings.draft_int4:
+    convert_leaf = weights.to_int4_blocks
   elif draft_int8:
     packed = kernels and cpu_kernels.int8_available()
     convert_leaf = lambda w: weights.to_int8(w, panels=packed)

@@ -130,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--float-draft", action="store_true",
                    help="draft with the draft's float weights (default on CPU: int8, about half "
                    "the cost per draft step; the output is the target's either way)")
+  gen.add_argument("--draft-int4", action="store_true",
+                   help="draft with 4-bit weights (a scale and an offset per block of 32: fewer "
+                   "bytes per draft step than the default int8; the output is the target's either "
+                   "way; needs jspec's CPU kernels)")
   which = gen.add_mutually_exclusive_group()
   which.add_argument("--model", metavar="NAME",
                      help=f"a known model or pair (default: {loading.DEFAULT_PAIR}; see "
@@ -183,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft from the K most frequent tokens only (the draft's head keeps their rows and "
                    "the special tokens': a cheaper draft step; the output is the target's either "
                    "way) (default: 0, the whole vocabulary)")
+  srv.add_argument("--draft-int4", action="store_true",
+                   help="draft with 4-bit weights (a scale and an offset per block of 32: fewer "
+                   "bytes per draft step than the default int8; the output is the target's either "
+                   "way; needs jspec's CPU kernels)")
   srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
   srv.add_argument("--port", type=_number(int), default=8000, help="port (default: 8000; 0: any)")
   srv.add_argument("--max-queue", type=_number(int), default=64, metavar="N",
@@ -271,9 +279,15 @@ def _load(args, opts: options_lib.Options) -> tuple[Any, str, Optional[str]]:
   if args.draft_vocab and not opts.uses_draft:
     raise UsageError(f"--draft-vocab is not used by --method {opts.method} (it runs no draft "
                      "model): drop it, or use --method model or lookup_model")
+  if args.draft_int4 and not opts.uses_draft:
+    raise UsageError(f"--draft-int4 is not used by --method {opts.method} (it runs no draft "
+                     "model): drop it, or use --method model or lookup_model")
+  if args.draft_int4 and args.float_draft:
+    raise UsageError("--draft-int4 and --float-draft both choose the draft's weights: pass one")
   try:
     settings = bundle_lib.Settings(draft_int8=False if args.float_draft else None,
-                                   target_int8=args.target_int8, draft_vocab=args.draft_vocab)
+                                   target_int8=args.target_int8, draft_vocab=args.draft_vocab,
+                                   draft_int4=args.draft_int4)
   except ValueError as e:
     raise UsageError(f"--draft-vocab: {e}") from None
   if args.target_int8:
@@ -333,6 +347,7 @@ def _generate(args) -> int:
     settings = {**dataclasses.asdict(opts), "target": target, "draft_model": draft,
                 "dtype": args.dtype, "chat": args.chat, "float_draft": args.float_draft,
                 "target_int8": args.target_int8, "draft_vocab": args.draft_vocab,
+                "draft_int4": args.draft_int4,
                 "mesh": args.mesh}
     print(json.dumps(_finite({"text": result.text, "token_ids": result.token_ids,
                               "stats": result.stats, "settings": settings}),

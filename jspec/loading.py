@@ -590,9 +590,11 @@ def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
 
   def prepared(source, path, role, tok=None):
     dtype = dtypes[role]
-    # draft_vocab is the draft's alone: the target's file stays the one other loads share.
+    # draft_vocab and draft_int4 are the draft's alone: the target's file stays the one
+    # other loads share.
     own = settings if role == "draft" else dataclasses.replace(
-        settings, draft_vocab=bundle_lib.Settings().draft_vocab)
+        settings, draft_vocab=bundle_lib.Settings().draft_vocab,
+        draft_int4=bundle_lib.Settings().draft_int4)
     if source:
       return _prepared_cached(path, source.sha256, dtype, role, own, progress, tok)
     cfg, tensors = _model(path, dtype, progress)

@@ -20,7 +20,7 @@ is read. Stored forms:
   Blocks      a checkpoint's own int8 blocks (GGUF k-quants, exactly) as panels,
               with a float32 scale (and offset) per block of inputs, q in
               [0, 15] two to a byte; also the lossy int8 target's rows
-              (`to_int8_blocks`)
+              (`to_int8_blocks`) and the 4-bit draft's (`to_int4_blocks`)
   BF16Panels  bfloat16 kernel panels (a bfloat16 checkpoint, exactly)
 
 Axis letters in shape comments: I inputs, O outputs, V vocabulary, D width.
@@ -29,6 +29,7 @@ Axis letters in shape comments: I inputs, O outputs, V vocabulary, D width.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional, Sequence, Union
 
 import jax
@@ -359,6 +360,56 @@ def to_int8_blocks(w: Leaf) -> Leaf:
   if isinstance(w, Table) and isinstance(out, Dense):
     return Table(out.w.T)  # a table the block kernel cannot hold: read by rows
   return out
+
+
+INT4_MAX = 15  # q of `to_int4_blocks` is in [0, INT4_MAX]
+
+
+def to_int4_blocks(w: Leaf) -> Leaf:
+  """W quantized to 4 bits with a scale and an offset per output and block, for float activations.
+
+  The 4-bit draft (`jspec.Settings(draft_int4=True)`) is stored so because
+  a draft only proposes (rejection sampling keeps the output the target's
+  for any q), so its weights may lose precision for fewer bytes per step,
+  and the block kernel reads 4-bit q two to a byte.
+
+  Args:
+    w: a float leaf (`Dense`, `Table`, or a packed form, widened first).
+
+  Returns:
+    A `Blocks` leaf whose every block of `INT8_BLOCK` inputs of an output
+    (one block over the whole row when the inputs are not a multiple of
+    it) holds W as scale * q + offset, with offset the block's minimum,
+    scale its range / 15 (1 where the range is 0) and q = round((W -
+    offset) / scale) in [0, 15], two to a byte where the inputs are even;
+    where the outputs are not a multiple of 32, the same values widened
+    into a `Dense` (a `Table` for a table).
+  """
+  if isinstance(w, Dense):
+    rows = w.w.T
+  elif isinstance(w, Table):
+    rows = w.t
+  elif isinstance(w, (Panels, Blocks, BF16Panels)):
+    rows = matrix(w).T
+  else:
+    raise TypeError(f"cannot quantize a {type(w).__name__} weight")
+  i = rows.shape[1]
+  size = INT8_BLOCK if i % INT8_BLOCK == 0 else i
+  q, scale, offset = jax.block_until_ready(_quantize_int4(rows, size))
+  out = blocks(q, scale, offset)  # [O, I] int8, [O, I/B], [O, I/B]
+  if isinstance(w, Table) and isinstance(out, Dense):
+    return Table(out.w.T)  # a table the block kernel cannot hold: read by rows
+  return out
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize_int4(m: jax.Array, size: int):  # [O, I] -> ([O, I] int8, [O, I/B], [O, I/B])
+  o, i = m.shape
+  blocked = m.astype(jnp.float32).reshape(o, i // size, size)
+  low, high = jnp.min(blocked, axis=2), jnp.max(blocked, axis=2)  # [O, I/B]
+  scale = jnp.where(high > low, (high - low) / INT4_MAX, 1.0)
+  q = jnp.clip(jnp.round((blocked - low[..., None]) / scale[..., None]), 0, INT4_MAX)
+  return q.reshape(o, i).astype(jnp.int8), scale, low
 
 
 def _int8_rows(w: Leaf) -> tuple[jax.Array, jax.Array]:

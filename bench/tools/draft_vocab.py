@@ -1,11 +1,14 @@
-"""The frequency-ranked draft vocabulary (`--draft-vocab K`) against the full draft head, one process.
+"""The frequency-ranked draft vocabulary (`--draft-vocab K`) or the 4-bit draft against the default draft, one process.
 
-    python -m bench.tools.draft_vocab [--k 16384,32768,65536] [--prompts code,chat]
-        [--max-new-tokens 128] [--reps 2] [--step-reps 30]
+    python -m bench.tools.draft_vocab [--k 16384,32768,65536] [--draft-int4]
+        [--prompts code,chat] [--max-new-tokens 128] [--reps 2] [--step-reps 30]
         [--out bench/results/draft_vocab_ranked_cpu.json]
 
 Loads the default pair once, and the same draft restricted to each K
-(`jspec.Settings(draft_vocab=K)`) beside the same target. Measures, all
+(`jspec.Settings(draft_vocab=K)`) beside the same target; with
+`--draft-int4` also the draft in 4 bits (`jspec.Settings(draft_int4=True)`,
+named "int4"; `--k ""` for it alone). "full" is the default draft (int8
+on CPU, the whole head): every ratio "over_full" is over it. Measures, all
 greedy and alternated within each repetition so that host drift falls on
 every configuration alike:
 
@@ -43,6 +46,7 @@ from jspec import bundle as bundle_lib
 from jspec import cache as cache_lib
 from jspec import decode
 from jspec import model
+from jspec import weights
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results" / "draft_vocab_ranked_cpu.json"
 
@@ -111,7 +115,10 @@ def main(argv=None) -> int:
   """
   parser = argparse.ArgumentParser(prog="python -m bench.tools.draft_vocab", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--k", default="16384,32768,65536", help="comma-separated K values")
+  parser.add_argument("--k", default="16384,32768,65536",
+                      help="comma-separated K values (\"\" for none, with --draft-int4)")
+  parser.add_argument("--draft-int4", action="store_true",
+                      help="also the draft in 4 bits (jspec.Settings(draft_int4=True)), as \"int4\"")
   parser.add_argument("--prompts", default="code,chat",
                       help="suite prompts by name or kind (bench.prompts.select)")
   parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -124,8 +131,10 @@ def main(argv=None) -> int:
     chosen = prompts_lib.select(prompts_lib.SUITE, args.prompts)
   except ValueError as e:
     parser.error(str(e))
-  if not ks or any(k < 1 for k in ks) or args.reps < 1 or args.max_new_tokens < 2:
-    parser.error("--k needs positive ints; --reps at least 1; --max-new-tokens at least 2")
+  if ((not ks and not args.draft_int4) or any(k < 1 for k in ks) or args.reps < 1
+      or args.max_new_tokens < 2):
+    parser.error("--k needs positive ints (or none, with --draft-int4); --reps at least 1; "
+                 "--max-new-tokens at least 2")
 
   t0 = time.perf_counter()
   full = jspec.load(progress=False)
@@ -133,6 +142,9 @@ def main(argv=None) -> int:
   for k in ks:
     cut = jspec.load(progress=False, settings=jspec.Settings(draft_vocab=k))
     bundles[f"k{k}"] = bundle_lib.Bundle(full.target, cut.draft, full.tokenizer)
+  if args.draft_int4:
+    int4 = jspec.load(progress=False, settings=jspec.Settings(draft_int4=True))
+    bundles["int4"] = bundle_lib.Bundle(full.target, int4.draft, full.tokenizer)
   load_s = time.perf_counter() - t0
   names = list(bundles)
   subsets = {n: set(np.asarray(b.draft.params["vocab_ids"]).tolist())
@@ -143,7 +155,9 @@ def main(argv=None) -> int:
   step_out = {"target_step_s": step["target"],
               **{f"{n}_draft_step_s": step[n] for n in names},
               **{f"{n}_draft_over_target": step[n] / step["target"] for n in names},
-              **{f"{n}_draft_step_over_full": step[n] / step["full"] for n in names}}
+              **{f"{n}_draft_step_over_full": step[n] / step["full"] for n in names},
+              **{f"{n}_draft_bytes": weights.nbytes(b.draft.params) for n, b in bundles.items()},
+              "target_bytes": weights.nbytes(full.target.params)}
   print(json.dumps({"step": step_out}, indent=1), flush=True)
 
   kw = dict(max_new_tokens=args.max_new_tokens, temperature=0.0)
