@@ -33,6 +33,7 @@ from bench import shapes
 from bench.tools import kernel_ab
 from bench.tools import roofline
 from bench.tools import serve_bound
+from bench.tools import spec_bound
 from jspec import bundle as bundle_lib
 from jspec import cache as cache_lib
 from jspec import cpu_kernels
@@ -528,3 +529,68 @@ def test_serve_bound_counts_every_matrix_of_the_target_once():
   macs = serve_bound.target_macs(bundle)
   assert macs == {"layers": layers, "head": sizes["['head']['w']"]}
   assert layers > 0
+
+
+def _spec_doc(accepted: int, llama: float) -> dict:
+  """A bench document of one code prompt: a speculative record and llama.cpp's plain decode."""
+  cfg = {"hidden_size": 8, "intermediate_size": 16, "num_heads": 2, "num_kv_heads": 1,
+         "head_dim": 4, "num_layers": 2, "vocab_size": 32}
+  rec = {"engine": "jspec", "rounds": 10, "drafted": 40, "accepted": accepted,
+         "mean_tokens_per_round": 1 + accepted / 10, "decode_tokens_per_s": 5.0,
+         "achieved_gbs": 1.0}
+  return {"bandwidth": {"gbs": 0.5},
+          "models": {"target": {"forward_bytes": 4e9, "config": cfg},
+                     "draft": {"forward_bytes": 1e9, "config": cfg}},
+          "prompts": {"p": {"kind": "code", "modes": {
+              "confidence": rec,
+              "llamacpp_target": {"engine": "llamacpp", "decode_tokens_per_s": llama}}}}}
+
+
+def test_spec_bound_floor_is_reads_and_multiply_adds():
+  """Reads bound one row, multiply-adds wide verifies; the floors follow by hand."""
+  doc = _spec_doc(accepted=40, llama=1.0)  # every draft accepted: 5 tokens a round, 4 drafts
+  macs = spec_bound.macs_per_token(doc["models"]["target"]["config"])
+  assert macs == 2 * (2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16) + 8 * 32
+  fma = macs * 2.0  # two positions' multiply-adds a second: compute-bound past 8 rows
+  out = spec_bound.bound(doc, "confidence", "code", fma)
+  assert out["read_from"] == "jspec_records" and out["read_bytes_per_s"] == 1e9
+  s, row = out["summary"], out["prompts"]["p"]
+  assert s["target_step_floor_s"] == pytest.approx(4.0)  # 4 GB at 1 GB/s, not 0.5 s of FMAs
+  assert s["draft_step_floor_s"] == pytest.approx(1.0)
+  # As run: 5 tokens over 4 draft steps and a 5-row verify (max(4 s, 2.5 s)).
+  assert row["as_run"] == pytest.approx(5 / (4 * 1.0 + 4.0))
+  # Perfect acceptance, g drafts: g + 1 tokens over g draft steps and a (g + 1)-row verify.
+  by_hand = max((g + 1) / (g + max(4.0, (g + 1) / 2)) for g in range(1, 33))
+  assert row["best_g"] == pytest.approx(by_hand)
+  assert s["floor_over_llamacpp_plain"] == pytest.approx(row["floor"] / 1.0)
+
+
+def test_spec_bound_needed_draft_step_reaches_the_target_exactly():
+  """The draft step it names makes the median floor 1.5x llama.cpp's plain decode."""
+  doc = _spec_doc(accepted=30, llama=0.4)  # floor 0.39 tok/s as drafted, 0.9 with a free draft
+  fma = spec_bound.macs_per_token(doc["models"]["target"]["config"]) * 2.0
+  out = spec_bound.bound(doc, "confidence", "code", fma)
+  s = out["summary"]
+  needed = s["draft_step_needed_over_target_step"]
+  assert needed is not None and 0 < needed < s["draft_step_floor_over_target_step"]
+  step = s["target_step_floor_s"]
+  verify = spec_bound.forward_floor(4e9, spec_bound.macs_per_token(
+      doc["models"]["target"]["config"]), 1e9, fma)
+  at = lambda f: spec_bound.best_fixed(0.75, f * step, verify)[0]
+  assert at(needed) == pytest.approx(1.5 * 0.4, rel=1e-6)
+  assert at(needed * 1.01) < 1.5 * 0.4
+  # Out of reach even with a free draft: None, not a number.
+  out = spec_bound.bound(_spec_doc(accepted=30, llama=10.0), "confidence", "code", fma)
+  assert out["summary"]["draft_step_needed_over_target_step"] is None
+
+
+def test_spec_bound_refuses_results_without_the_peer():
+  doc = _spec_doc(accepted=30, llama=1.0)
+  del doc["prompts"]["p"]["modes"]["llamacpp_target"]
+  with pytest.raises(ValueError, match="llamacpp_target"):
+    spec_bound.bound(doc, "confidence", "code", 1e9)
+
+
+def test_spec_bound_expected_tokens():
+  assert spec_bound.expected_tokens(1.0, 4) == 5
+  assert spec_bound.expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
