@@ -14,7 +14,9 @@ every configuration alike:
 
   step      one draft forward of one token (the draft's step, params passed
             as arguments), each draft in turn, and the target's greedy step;
-            medians over `--step-reps`;
+            then one row through each draft's matrices alone (every layer's
+            and the head) and through its head alone; medians over
+            `--step-reps`;
   suite     for each prompt: target-only, then the default speculative mode
             with the full draft and with each K, in a rotated order;
             acceptance, tokens per round, decode tokens/s, the speedup over
@@ -80,6 +82,41 @@ def _step_seconds(models: dict[str, bundle_lib.Model], reps: int, greedy: dict[s
       jax.block_until_ready(fns[name](m.params, tokens, caches[name]))
       times[name].append(time.perf_counter() - t0)
   return {n: statistics.median(v) for n, v in times.items()}
+
+
+def _product_seconds(models: dict[str, bundle_lib.Model], reps: int) -> dict[str, dict[str, float]]:
+  """Median seconds of one row through each model's matrices alone, alternated over `reps` rounds.
+
+  Args:
+    models: name -> prepared draft.
+    reps: timed rounds (after one untimed, compiling, call each).
+
+  Returns:
+    name -> {"all": every layer's matrices and the head (the tied table
+    once, as the head), "head": the head alone}.
+  """
+  fns = {}
+  for name, m in models.items():
+    mats = [w for w in jax.tree.leaves({k: v for k, v in m.params.items()
+                                        if k not in ("vocab_head", "greedy_head")},
+                                       is_leaf=weights.is_leaf) if weights.is_leaf(w)]
+    head = model.head_of(model.merge(m.cfg, m.params))
+    for part, ws in (("all", mats), ("head", [head])):
+      fns[(name, part)] = (jax.jit(lambda ws, x: [weights.dot(x[:, :w.shape[0]], w) for w in ws]),
+                           ws)
+  x = jnp.ones((1, max(w.shape[0] for _, ws in fns.values() for w in ws)), jnp.float32)
+  for fn, ws in fns.values():
+    jax.block_until_ready(fn(ws, x))
+  times: dict[tuple[str, str], list[float]] = {k: [] for k in fns}
+  for _ in range(reps):
+    for key, (fn, ws) in fns.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(ws, x))
+      times[key].append(time.perf_counter() - t0)
+  out: dict[str, dict[str, float]] = {}
+  for (name, part), v in times.items():
+    out.setdefault(name, {})[part] = statistics.median(v)
+  return out
 
 
 def _summary(records: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
@@ -158,6 +195,9 @@ def main(argv=None) -> int:
               **{f"{n}_draft_step_over_full": step[n] / step["full"] for n in names},
               **{f"{n}_draft_bytes": weights.nbytes(b.draft.params) for n, b in bundles.items()},
               "target_bytes": weights.nbytes(full.target.params)}
+  products = _product_seconds({n: b.draft for n, b in bundles.items()}, args.step_reps)
+  step_out.update({f"{n}_products_{part}_s": s for n, parts in products.items()
+                   for part, s in parts.items()})
   print(json.dumps({"step": step_out}, indent=1), flush=True)
 
   kw = dict(max_new_tokens=args.max_new_tokens, temperature=0.0)
