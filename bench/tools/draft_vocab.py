@@ -7,7 +7,9 @@
 Loads the default pair once, and the same draft restricted to each K
 (`jspec.Settings(draft_vocab=K)`) beside the same target; with
 `--draft-int4` also the draft in 4 bits (`jspec.Settings(draft_int4=True)`,
-named "int4"; `--k ""` for it alone). "full" is the default draft (int8
+named "int4"; `--k ""` for it alone), and with `--int4-head` the default
+draft with only its head (the tied token table) taken from the 4-bit one,
+named "int4_head" (a measurement: no setting loads it). "full" is the default draft (int8
 on CPU, the whole head): every ratio "over_full" is over it. Measures, all
 greedy and alternated within each repetition so that host drift falls on
 every configuration alike:
@@ -30,6 +32,7 @@ Writes the JSON (atomically) after every repetition and prints a summary.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -156,6 +159,9 @@ def main(argv=None) -> int:
                       help="comma-separated K values (\"\" for none, with --draft-int4)")
   parser.add_argument("--draft-int4", action="store_true",
                       help="also the draft in 4 bits (jspec.Settings(draft_int4=True)), as \"int4\"")
+  parser.add_argument("--int4-head", action="store_true",
+                      help="with --draft-int4, also the default draft with the 4-bit draft's "
+                      "head, as \"int4_head\"")
   parser.add_argument("--prompts", default="code,chat",
                       help="suite prompts by name or kind (bench.prompts.select)")
   parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -172,6 +178,8 @@ def main(argv=None) -> int:
       or args.max_new_tokens < 2):
     parser.error("--k needs positive ints (or none, with --draft-int4); --reps at least 1; "
                  "--max-new-tokens at least 2")
+  if args.int4_head and not args.draft_int4:
+    parser.error("--int4-head needs --draft-int4")
 
   t0 = time.perf_counter()
   full = jspec.load(progress=False)
@@ -182,6 +190,14 @@ def main(argv=None) -> int:
   if args.draft_int4:
     int4 = jspec.load(progress=False, settings=jspec.Settings(draft_int4=True))
     bundles["int4"] = bundle_lib.Bundle(full.target, int4.draft, full.tokenizer)
+    if args.int4_head:  # the int8 layers, the 4-bit head: where the 4-bit form gains
+      params = dict(full.draft.params)
+      if full.draft.cfg.tie_word_embeddings:
+        params["embed"] = {**params["embed"], "table": int4.draft.params["embed"]["table"]}
+      else:
+        params["head"] = {**params["head"], "w": int4.draft.params["head"]["w"]}
+      bundles["int4_head"] = bundle_lib.Bundle(
+          full.target, dataclasses.replace(full.draft, params=params), full.tokenizer)
   load_s = time.perf_counter() - t0
   names = list(bundles)
   subsets = {n: set(np.asarray(b.draft.params["vocab_ids"]).tolist())
