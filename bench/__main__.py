@@ -97,6 +97,10 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                          "--build-only; a run never builds them)")
   what.add_argument("--llamacpp-draft-max", type=_positive, default=8,
                     help="llamacpp_spec's drafts per step, --spec-draft-n-max (default 8)")
+  what.add_argument("--llamacpp-wait-policy", choices=("fastest", "passive", "active"),
+                    default="fastest",
+                    help="OMP_WAIT_POLICY of llama.cpp's threads: fastest (default) times both "
+                         "with llama-bench first and uses the faster on this host now")
   what.add_argument("--llamacpp-threads", type=_positive, default=2,
                     help="CPU threads of the llama.cpp peers (default 2)")
   what.add_argument("--no-bracket", action="store_true",

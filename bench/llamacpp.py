@@ -529,6 +529,57 @@ def _run_tool(argv: list[str], timeout: float, env: Optional[dict[str, str]],
                       f" logger drops lines at exit): {_tail(stderr)}")
 
 
+WAIT_POLICIES = ("PASSIVE", "ACTIVE")  # OMP_WAIT_POLICY values `fastest_wait_policy` tries
+
+
+def fastest_wait_policy(tools: Tools, model_path: os.PathLike, threads: int = 2,
+                        n_gen: int = 32, rounds: int = 2,
+                        timeout: float = 300) -> dict[str, Any]:
+  """The OpenMP wait policy under which llama.cpp decodes fastest on this host now.
+
+  Spinning threads (ACTIVE, llama.cpp's own default) win on a quiet host and
+  lose badly on one shared with other work, so a peer is timed under
+  whichever is faster where it runs: `llama-bench` decodes `n_gen` tokens
+  under each policy, alternated for `rounds` rounds.
+
+  Args:
+    tools: from `build`.
+    model_path: the target GGUF.
+    threads: CPU threads.
+    n_gen: tokens each llama-bench run decodes (no prompt).
+    rounds: alternations of the policies.
+    timeout: seconds per llama-bench process.
+
+  Returns:
+    {"policy": the faster, "tokens_per_s": {policy: best decode tokens/s},
+    "n_gen", "rounds", "threads"}.
+
+  Raises:
+    LlamaCppError: llama-bench failed or printed no figure.
+  """
+  rates: dict[str, list[float]] = {p: [] for p in WAIT_POLICIES}
+  argv = [str(tools.bench), "-m", str(model_path), "-t", str(threads), "-p", "0",
+          "-n", str(n_gen), "-r", "1", "-o", "json"]
+  for _ in range(rounds):
+    for policy in WAIT_POLICIES:
+      try:
+        proc = subprocess.run(argv, capture_output=True, timeout=timeout, check=False,
+                              stdin=subprocess.DEVNULL,
+                              env={**os.environ, "OMP_WAIT_POLICY": policy})
+      except (OSError, subprocess.TimeoutExpired) as e:
+        raise LlamaCppError(f"llama-bench under OMP_WAIT_POLICY={policy} failed: {e}") from e
+      try:
+        rows = json.loads(proc.stdout.decode("utf-8", "replace"))
+        rates[policy].append(float(rows[0]["avg_ts"]))
+      except (ValueError, LookupError, TypeError) as e:
+        raise LlamaCppError(f"llama-bench under OMP_WAIT_POLICY={policy} printed no decode "
+                            f"rate (exit {proc.returncode}): "
+                            f"{_tail(proc.stderr.decode('utf-8', 'replace'))}") from e
+  best = {p: max(r) for p, r in rates.items()}
+  return {"policy": max(best, key=best.get), "tokens_per_s": best, "n_gen": n_gen,
+          "rounds": rounds, "threads": threads}
+
+
 def command(tools: Tools, model_path: os.PathLike, prompt_file: os.PathLike, n_predict: int,
             threads: int = 2, draft_path: Optional[os.PathLike] = None,
             draft_max: Optional[int] = None, ctx_size: Optional[int] = None) -> list[str]:

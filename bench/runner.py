@@ -302,9 +302,6 @@ def _hf_phase(opts, doc, out, chosen, prompt_list, order) -> list[str]:
   return measured
 
 
-# llama.cpp's OpenMP threads otherwise spin, which on a machine shared with
-# other work slowed 2 threads below 1 (`bench.llamacpp.generate`).
-LLAMACPP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 LLAMACPP_TIMEOUT_S = 900  # per llama.cpp process
 
 
@@ -370,9 +367,26 @@ def _llamacpp_phase(opts, doc, out, chosen, prompt_list, order) -> None:
   info = doc.setdefault("llamacpp", {})
   info.pop("skipped", None)
   info.pop("error", None)
+  # Spinning OpenMP threads win on a quiet host and lose on a busy one: the
+  # peer runs under the policy that is faster here now, unless one is asked for.
+  probe = None
+  if opts.llamacpp_wait_policy == "fastest":
+    try:
+      probe = llamacpp.fastest_wait_policy(tools, source["target"], opts.llamacpp_threads)
+    except llamacpp.LlamaCppError as e:
+      info["error"] = str(e)
+      _log(f"the llama.cpp peers did not run: {e}")
+      return
+    policy = probe["policy"]
+    _log(f"llama.cpp's OpenMP wait policy: {policy} (llama-bench, {probe['n_gen']} tokens: "
+         + ", ".join(f"{k} {v:.2f} tok/s" for k, v in probe["tokens_per_s"].items()) + ")")
+  else:
+    policy = opts.llamacpp_wait_policy.upper()
+  env = {"OMP_WAIT_POLICY": policy}
   info.update({
       "version": tools.version, "tools": str(tools.root), "build": llamacpp.manifest(tools),
-      "target": source["target"], "draft": source["draft"], "env": dict(LLAMACPP_ENV),
+      "target": source["target"], "draft": source["draft"], "env": env,
+      "wait_policy_probe": probe,
       "modes": {m.name: dict(m.kwargs) for m in lmodes}, "timeout_s": LLAMACPP_TIMEOUT_S,
       "stopping_rule": "llama.cpp stops at end of generation whatever --stop-at-eos says; its "
                        "text is compared with jspec target-only's ids up to their first EOS id",
@@ -393,7 +407,7 @@ def _llamacpp_phase(opts, doc, out, chosen, prompt_list, order) -> None:
     try:
       recs = llamacpp.peer_records(tools, source["target"], source["draft"],
                                    llamacpp.prompt_text(p, tok), opts.max_new_tokens, opts.reps,
-                                   want, LLAMACPP_ENV, LLAMACPP_TIMEOUT_S)
+                                   want, env, LLAMACPP_TIMEOUT_S)
     except (llamacpp.LlamaCppError, ValueError) as e:  # keep the records measured so far
       info["error"] = f"{p.name}: {e}"
       _log(f"the llama.cpp peers failed on {p.name}: {e}")

@@ -188,6 +188,13 @@ import json, os, pathlib, sys, time
 argv = sys.argv[1:]
 name = pathlib.Path(sys.argv[0]).name
 opt = lambda flag: argv[argv.index(flag) + 1]
+if name == "llama-bench":  # decode rate by OpenMP wait policy: FAKE_LLAMA_FAST names the faster
+  policy = os.environ.get("OMP_WAIT_POLICY")
+  with open(os.environ["FAKE_LLAMA_LOG"], "a") as f:
+    f.write(json.dumps({"name": name, "argv": argv, "prompt": None, "omp": policy}) + "\n")
+  fast = os.environ.get("FAKE_LLAMA_FAST", "ACTIVE")
+  print(json.dumps([{"n_gen": int(opt("-n")), "avg_ts": 20.0 if policy == fast else 10.0}]))
+  sys.exit(0)
 prompt = pathlib.Path(opt("-bf")).read_bytes()
 with open(os.environ["FAKE_LLAMA_LOG"], "a") as f:
   f.write(json.dumps({"name": name, "argv": argv, "prompt": prompt.decode("utf-8"),
@@ -737,15 +744,22 @@ def test_bench_peer_phase_records_ratios_and_texts(fake_tools, vocab_gguf, tmp_p
   runner._llamacpp_phase(opts, doc, out, chosen, prompt_list, order)  # pylint: disable=protected-access
   assert [m.name for m in chosen] == ["target", "spec_g2", "llamacpp_target", "llamacpp_spec"]
   made = calls()
+  # First llama-bench under each OpenMP wait policy, twice, alternated; the faster is kept.
+  probes = [c for c in made if c["name"] == "llama-bench"]
+  assert [c["omp"] for c in probes] == ["PASSIVE", "ACTIVE"] * 2
+  assert {_value(c["argv"], "-t") for c in probes} == {"2"}
+  made = [c for c in made if c["name"] != "llama-bench"]
   # Two repetitions of each mode per prompt, alternating; the prompt text as jspec's.
   assert [c["name"] for c in made] == ["llama-completion", "llama-speculative-simple"] * 4
   assert [c["prompt"] for c in made] == ["def one():\n"] * 4 + [chat] * 4
   assert chat.startswith("<|im_start|>user\ndef the(x):\n<|im_end|>")
   assert {_value(c["argv"], "--spec-draft-n-max") for c in made[1::2]} == {"8"}
-  assert {_value(c["argv"], "-t") for c in made} == {"2"} and {c["omp"] for c in made} == {"PASSIVE"}
+  assert {_value(c["argv"], "-t") for c in made} == {"2"} and {c["omp"] for c in made} == {"ACTIVE"}
   assert {_value(c["argv"], "-n") for c in made[::2]} == {"6"}  # jspec's max_new_tokens
   saved = json.loads(out.read_text())
   assert saved["llamacpp"]["target"] == str(vocab_gguf) and "skipped" not in saved["llamacpp"]
+  assert saved["llamacpp"]["env"] == {"OMP_WAIT_POLICY": "ACTIVE"}
+  assert saved["llamacpp"]["wait_policy_probe"]["tokens_per_s"] == {"PASSIVE": 10.0, "ACTIVE": 20.0}
   one, two = (saved["prompts"][p]["modes"] for p in ("one", "two"))
   lt = two["llamacpp_target"]
   assert lt["engine"] == "llamacpp" and lt["text"] == "  return x - 12" and len(lt["reps"]) == 2
@@ -794,6 +808,7 @@ def test_bench_peer_phase_resumes_and_skips_with_reasons(fake_tools, vocab_gguf,
   built = {"tools": None}
   monkeypatch.setattr(llamacpp, "find_built", lambda cache_dir=None: built["tools"])
   opts, doc, out, chosen, prompt_list, order, _, _ = _peer_run(tmp_path, vocab_gguf, reps=1)
+  opts.llamacpp_wait_policy = "passive"  # no llama-bench probe: the calls counted are the runs
   # Not built: one line naming the command that builds them; nothing runs.
   runner._llamacpp_phase(opts, doc, out, chosen, prompt_list, order)  # pylint: disable=protected-access
   assert llamacpp.BUILD_COMMAND in doc["llamacpp"]["skipped"] and calls() == []
@@ -878,7 +893,8 @@ def test_bench_runs_llamacpp_beside_jspec_on_a_gguf_pair_and_resumes(fake_tools,
                                                                     capsys):
   # `python -m bench` end to end on a tiny GGUF pair, with the fake tools as llama.cpp's.
   from bench import __main__ as bench_main
-  tools, calls = fake_tools
+  tools, every_call = fake_tools
+  calls = lambda: [c for c in every_call() if c["name"] != "llama-bench"]  # runs, not probes
   monkeypatch.setattr(llamacpp, "find_built", lambda cache_dir=None: tools)
   out = tmp_path / "gguf.json"
   args = ["--target", str(tiny_gguf), "--draft", str(tiny_gguf), "--prompts", "quicksort",
@@ -890,6 +906,8 @@ def test_bench_runs_llamacpp_beside_jspec_on_a_gguf_pair_and_resumes(fake_tools,
   entry = doc["prompts"]["quicksort"]
   assert set(entry["modes"]) == {"target", "spec_g2", "llamacpp_target", "llamacpp_spec"}
   assert [c["prompt"] for c in calls()] == [entry["text"]] * 2
+  assert [c["omp"] for c in every_call()[:4]] == ["PASSIVE", "ACTIVE"] * 2  # the probe came first
+  assert doc["llamacpp"]["env"] == {"OMP_WAIT_POLICY": "ACTIVE"}
   assert _value(calls()[1]["argv"], "--spec-draft-n-max") == "3"
   assert doc["llamacpp"]["draft"] == str(tiny_gguf) and "llamacpp" in doc["runs"][-1]["phases_s"]
   assert doc["settings"]["mode_args"]["llamacpp_spec"]["draft_max"] == 3
@@ -919,3 +937,33 @@ def test_bench_runs_llamacpp_beside_jspec_on_a_gguf_pair_and_resumes(fake_tools,
   assert len(calls()) == 4
   assert json.loads(out.read_text())["prompts"]["quicksort"]["modes"]["llamacpp_target"] == \
       again["prompts"]["quicksort"]["modes"]["llamacpp_target"]
+
+
+@pytest.mark.parametrize("fast", ["PASSIVE", "ACTIVE"])
+def test_bench_peer_phase_runs_under_the_faster_wait_policy(fake_tools, vocab_gguf, tmp_path,
+                                                            monkeypatch, fast):
+  """Whichever OpenMP wait policy llama-bench finds faster here is the one every run gets."""
+  from bench import runner
+  tools, calls = fake_tools
+  monkeypatch.setattr(llamacpp, "find_built", lambda cache_dir=None: tools)
+  monkeypatch.setenv("FAKE_LLAMA_FAST", fast)
+  opts, doc, out, chosen, prompt_list, order, _, _ = _peer_run(tmp_path, vocab_gguf, reps=1)
+  runner._llamacpp_phase(opts, doc, out, chosen, prompt_list, order)  # pylint: disable=protected-access
+  runs = [c for c in calls() if c["name"] != "llama-bench"]
+  assert runs and {c["omp"] for c in runs} == {fast}
+  assert json.loads(out.read_text())["llamacpp"]["wait_policy_probe"]["policy"] == fast
+
+
+def test_bench_peer_phase_keeps_an_asked_wait_policy(fake_tools, vocab_gguf, tmp_path,
+                                                     monkeypatch):
+  from bench import runner
+  tools, calls = fake_tools
+  monkeypatch.setattr(llamacpp, "find_built", lambda cache_dir=None: tools)
+  opts, doc, out, chosen, prompt_list, order, _, _ = _peer_run(tmp_path, vocab_gguf, reps=1)
+  opts.llamacpp_wait_policy = "passive"
+  runner._llamacpp_phase(opts, doc, out, chosen, prompt_list, order)  # pylint: disable=protected-access
+  made = calls()
+  assert made and not [c for c in made if c["name"] == "llama-bench"]  # no probe
+  assert {c["omp"] for c in made} == {"PASSIVE"}
+  saved = json.loads(out.read_text())["llamacpp"]
+  assert saved["env"] == {"OMP_WAIT_POLICY": "PASSIVE"} and saved["wait_policy_probe"] is None
