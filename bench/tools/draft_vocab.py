@@ -8,7 +8,7 @@ Loads the default pair once, and the same draft restricted to each K
 (`jspec.Settings(draft_vocab=K)`) beside the same target; with
 `--draft-int4` also the draft in 4 bits (`jspec.Settings(draft_int4=True)`,
 named "int4"; `--k ""` for it alone), and with `--int4-head` the default
-draft with only its head (the tied token table) taken from the 4-bit one,
+draft with only its head taken from the 4-bit one (the table too where tied),
 named "int4_head" (a measurement: no setting loads it). "full" is the default draft (int8
 on CPU, the whole head): every ratio "over_full" is over it. Measures, all
 greedy and alternated within each repetition so that host drift falls on
@@ -95,13 +95,14 @@ def _product_seconds(models: dict[str, bundle_lib.Model], reps: int) -> dict[str
     reps: timed rounds (after one untimed, compiling, call each).
 
   Returns:
-    name -> {"all": every layer's matrices and the head (the tied table
-    once, as the head), "head": the head alone}.
+    name -> {"all": every layer's matrices and the head (a tied table
+    once, as the head; an untied model's table, which a step only reads by
+    rows, not), "head": the head alone}.
   """
   fns = {}
   for name, m in models.items():
-    mats = [w for w in jax.tree.leaves({k: v for k, v in m.params.items()
-                                        if k not in ("vocab_head", "greedy_head")},
+    skip = ("vocab_head", "greedy_head") + (() if m.cfg.tie_word_embeddings else ("embed",))
+    mats = [w for w in jax.tree.leaves({k: v for k, v in m.params.items() if k not in skip},
                                        is_leaf=weights.is_leaf) if weights.is_leaf(w)]
     head = model.head_of(model.merge(m.cfg, m.params))
     for part, ws in (("all", mats), ("head", [head])):
