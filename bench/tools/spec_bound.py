@@ -281,10 +281,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   print(f"read {out['read_bytes_per_s'] / 1e9:.1f} GB/s ({out['read_from']}), "
         f"FMA {fma / 1e9:.1f} G/s; floors: target step {s['target_step_floor_s'] * 1e3:.1f} ms, "
         f"draft step {s['draft_step_floor_s'] * 1e3:.1f} ms")
+  needed = s["draft_step_needed_over_target_step"]
+  if needed is None:
+    reach = "not even with a free draft at this acceptance"
+  elif needed >= s["draft_step_floor_over_target_step"]:
+    reach = "the current draft's step is enough at the floors"
+  else:
+    reach = f"a draft step of at most {needed:.3f} target steps"
   print(f"{args.kind} medians, tok/s: floor {s['floor_tok_s']:.1f} (perfect draft "
-        f"{s['perfect_draft_tok_s']:.1f}), measured {s['measured_tok_s']}, llama.cpp plain "
+        f"{s['perfect_draft_tok_s']:.1f}), measured {s['measured_tok_s']:.1f}, llama.cpp plain "
         f"{s['llamacpp_plain_tok_s']:.1f} -> floor {s['floor_over_llamacpp_plain']:.2f}x "
-        f"(target {PLAIN_TARGET}x); draft step needed: {s['draft_step_needed_over_target_step']}")
+        f"(target {PLAIN_TARGET}x): {reach}")
   return 0
 
 
