@@ -594,3 +594,18 @@ def test_spec_bound_refuses_results_without_the_peer():
 def test_spec_bound_expected_tokens():
   assert spec_bound.expected_tokens(1.0, 4) == 5
   assert spec_bound.expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_confidence_sweep_summary_pairs_each_threshold_with_its_own_repetition():
+  """Medians over prompts of per-prompt medians; ratios to the first threshold paired per record."""
+  from bench.tools import confidence_sweep
+  run = lambda tok_s, ids=(1, 2): {"tok_s": tok_s, "ids": list(ids), "acceptance": 0.5,
+                                   "tokens_per_round": 2.0}
+  records = [  # one prompt, two repetitions: the host twice as fast in the second
+      {"prompt": "a", "kind": "code", "target": run(10), "c0.5": run(15), "c0.8": run(18)},
+      {"prompt": "a", "kind": "code", "target": run(20), "c0.5": run(30), "c0.8": run(33, (1, 3))}]
+  s = confidence_sweep.summarize(records, ["c0.5", "c0.8"])["code"]
+  assert s["c0.5"]["speedup_over_target"] == pytest.approx(1.5)
+  assert s["c0.8"]["speedup_over_target"] == pytest.approx((1.8 + 1.65) / 2)
+  assert s["c0.8"]["over_first_paired"] == pytest.approx((1.2 + 1.1) / 2)  # not 51 / 45
+  assert s["c0.8"]["ids_equal_target"] == 1 and s["c0.5"]["ids_equal_target"] == 2

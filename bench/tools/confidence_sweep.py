@@ -1,0 +1,135 @@
+"""The confidence policy's threshold against the target at hand: several `min_confidence`, one process.
+
+    python -m bench.tools.confidence_sweep [--thresholds 0.5,0.65,0.8] [--prompts code,chat]
+        [--max-new-tokens 96] [--reps 2] [--out bench/results/confidence_sweep_cpu.json]
+
+The default threshold (0.5) was chosen when the target was float32 and a
+draft step cost a tenth of a target step; with the target exact as its GGUF
+stores it a draft step costs about a third, so a draft must be likelier to
+be accepted to pay. `min_confidence` is data in the compiled program, so
+every threshold runs the same programs. Loads the default pair once; for
+each prompt and repetition runs target-only and the default method at each
+threshold, in a rotated order so that host drift falls on all alike
+(greedy); records acceptance, tokens per round, decode tokens/s, the
+speedup over that repetition's target-only, and whether the ids equal
+target-only's. Summary: per kind, medians over prompts of each prompt's
+median over repetitions, and of the paired ratio to the first threshold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+from typing import Any, Optional, Sequence
+
+import jspec
+from bench import prompts as prompts_lib
+from bench import results
+
+
+def _run(bundle: jspec.Bundle, ids: list[int], n: int, **kw) -> dict[str, Any]:
+  r = jspec.generate(bundle, ids, max_new_tokens=n, temperature=0.0, stop_at_eos=False, **kw)
+  s = r.stats
+  return {"ids": list(r.token_ids), "tok_s": len(r.token_ids) / s["decode_s"],
+          "acceptance": s.get("acceptance_rate"), "tokens_per_round": s.get("mean_tokens_per_round")}
+
+
+def summarize(records: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+  """Per kind and threshold: medians over prompts of the per-prompt medians over repetitions.
+
+  Args:
+    records: one per prompt and repetition: {"prompt", "kind", "target": run, name: run, ...}.
+    names: the thresholds' names, the first the reference of the paired ratios.
+
+  Returns:
+    {kind: {name: {"speedup_over_target", "over_first_paired", "acceptance",
+    "tokens_per_round", "ids_equal_target", "records"}}}.
+  """
+  out: dict[str, Any] = {}
+  for kind in sorted({r["kind"] for r in records}):
+    rows = [r for r in records if r["kind"] == kind]
+    prompts = sorted({r["prompt"] for r in rows})
+    per: dict[str, Any] = {}
+    for name in names:
+      def med(fn):
+        return statistics.median(
+            statistics.median(fn(r) for r in rows if r["prompt"] == p) for p in prompts)
+      per[name] = {
+          "speedup_over_target": med(lambda r: r[name]["tok_s"] / r["target"]["tok_s"]),
+          "over_first_paired": med(lambda r: r[name]["tok_s"] / r[names[0]]["tok_s"]),
+          "acceptance": med(lambda r: r[name]["acceptance"]),
+          "tokens_per_round": med(lambda r: r[name]["tokens_per_round"]),
+          "ids_equal_target": sum(r[name]["ids"] == r["target"]["ids"] for r in rows),
+          "records": len(rows)}
+    out[kind] = per
+  return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Runs the sweep, writes the JSON after every repetition, prints the summary.
+
+  Args:
+    argv: command-line arguments (see module docstring).
+
+  Returns:
+    0, or 1 where some ids differ from target-only's.
+  """
+  ap = argparse.ArgumentParser(prog="python -m bench.tools.confidence_sweep",
+                               description=__doc__.split("\n")[0])
+  ap.add_argument("--thresholds", default="0.5,0.65,0.8")
+  ap.add_argument("--prompts", default="code,chat")
+  ap.add_argument("--max-new-tokens", type=int, default=96)
+  ap.add_argument("--reps", type=int, default=2)
+  ap.add_argument("--out", type=pathlib.Path,
+                  default=pathlib.Path("bench/results/confidence_sweep_cpu.json"))
+  args = ap.parse_args(argv)
+  try:
+    thresholds = [float(t) for t in args.thresholds.split(",") if t.strip()]
+  except ValueError:
+    ap.error(f"--thresholds {args.thresholds!r}: expected comma-separated numbers in [0, 1]")
+  if not thresholds or not all(0.0 <= t <= 1.0 for t in thresholds):
+    ap.error(f"--thresholds {args.thresholds!r}: expected comma-separated numbers in [0, 1]")
+  if args.reps < 1 or args.max_new_tokens < 2:
+    ap.error("--reps must be at least 1 and --max-new-tokens at least 2")
+  chosen = prompts_lib.select(prompts_lib.SUITE, args.prompts)
+  bundle = jspec.load(progress=False)
+  names = [f"c{t:g}" for t in thresholds]
+  ids = {p.name: prompts_lib.encode(p, bundle.tokenizer) for p in chosen}
+  n = args.max_new_tokens
+  for p in chosen[:1]:  # compiles every program once
+    _run(bundle, ids[p.name], n, method="target")
+    _run(bundle, ids[p.name], n, min_confidence=thresholds[0])
+  records: list[dict[str, Any]] = []
+  doc: dict[str, Any] = {"command": "python -m bench.tools.confidence_sweep "
+                                    + " ".join(argv if argv is not None else sys.argv[1:]),
+                         "thresholds": thresholds}
+  for rep in range(args.reps):
+    for i, p in enumerate(chosen):
+      order = ["target"] + names
+      shift = (rep + i) % len(order)
+      order = order[shift:] + order[:shift]
+      rec: dict[str, Any] = {"prompt": p.name, "kind": p.kind, "rep": rep, "order": order}
+      for name in order:
+        if name == "target":
+          rec[name] = _run(bundle, ids[p.name], n, method="target")
+        else:
+          rec[name] = _run(bundle, ids[p.name], n, min_confidence=thresholds[names.index(name)])
+      records.append(rec)
+      print(f"rep {rep} {p.name}: " + ", ".join(
+          f"{k} {rec[k]['tok_s']:.2f}" for k in ["target"] + names), flush=True)
+    doc.update(records=records, summary=summarize(records, names))
+    results.write(doc, args.out)
+  for kind, per in doc["summary"].items():
+    for name, s in per.items():
+      print(f"{kind} {name}: x target {s['speedup_over_target']:.3f}, over {names[0]} "
+            f"{s['over_first_paired']:.3f}, acceptance {s['acceptance']:.3f}, tokens/round "
+            f"{s['tokens_per_round']:.2f}, ids equal {s['ids_equal_target']}/{s['records']}")
+  equal = all(s["ids_equal_target"] == s["records"] for per in doc["summary"].values()
+              for s in per.values())
+  return 0 if equal else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
