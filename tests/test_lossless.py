@@ -138,6 +138,28 @@ def draw(bundle, prompts: list[list[int]], spec: decode.Spec, n_new: int,
   return out
 
 
+def assert_follows_target(bundle, prompt: list[int], got: np.ndarray, s: sampling.Sampling,
+                          what: str = "") -> None:
+  """Asserts samples of one prompt follow the target's exact joint, and each position its marginal.
+
+  Args:
+    bundle: the pair that drew them.
+    prompt: the prompt's ids.
+    got: [N, k] the new token ids drawn (`draw`).
+    s: the sampling settings they were drawn with.
+    what: a label for the failure messages.
+  """
+  k = got.shape[1]
+  probs = exact_joint(bundle, prompt, k, s)
+  p_value = chi_square_p(got, probs)
+  assert p_value > ALPHA, f"{what} prompt {prompt}: chi-square p = {p_value:.2e}"
+  # Each single position too, where a bug at one position stands out.
+  for i in range(k):
+    marginal = probs.sum(axis=tuple(j for j in range(k) if j != i))
+    p_i = chi_square_p(got[:, i:i + 1], marginal)
+    assert p_i > ALPHA, f"{what} prompt {prompt}, token {i + 1}: p = {p_i:.2e}"
+
+
 PROMPTS = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8]]
 
 CASES = {
@@ -170,17 +192,9 @@ def test_first_three_tokens_follow_target(name):
   case = dict(CASES[name])
   bundle = tiny.pair(seed=3, scale=0.6, draft_int8=case.pop("draft_int8", False))
   spec = _spec(bundle, **case)
-  samp = spec.sampling
   samples = draw(bundle, PROMPTS, spec, 3, seed=11)
   for prompt, got in zip(PROMPTS, samples):
-    probs = exact_joint(bundle, prompt, 3, samp)
-    p_value = chi_square_p(got, probs)
-    assert p_value > ALPHA, f"{name}, prompt {prompt}: chi-square p = {p_value:.2e}"
-    # Each single position too, where a bug at one position stands out.
-    for i in range(3):
-      marginal = probs.sum(axis=tuple(j for j in range(3) if j != i))
-      p_i = chi_square_p(got[:, i:i + 1], marginal)
-      assert p_i > ALPHA, f"{name}, prompt {prompt}, token {i + 1}: p = {p_i:.2e}"
+    assert_follows_target(bundle, prompt, got, spec.sampling, f"{name},")
 
 
 @pytest.mark.slow
