@@ -3,10 +3,10 @@
     python -m bench.tools.confidence_sweep [--thresholds 0.5,0.65,0.8] [--prompts code,chat]
         [--max-new-tokens 96] [--reps 2] [--out bench/results/confidence_sweep_cpu.json]
 
-The default threshold (0.5) was chosen when the target was float32 and a
-draft step cost a tenth of a target step; with the target exact as its GGUF
-stores it a draft step costs about a third, so a draft must be likelier to
-be accepted to pay. `min_confidence` is data in the compiled program, so
+The default threshold was chosen when the target was float32 and a draft
+step cost little beside a target step; with the target exact as its GGUF
+stores it a draft step costs a larger share of one, so a draft must be
+likelier to be accepted to pay (docs/decisions.md, "Default policy"). `min_confidence` is data in the compiled program, so
 every threshold runs the same programs. Loads the default pair once; for
 each prompt and repetition runs target-only and the default method at each
 threshold, in a rotated order so that host drift falls on all alike
