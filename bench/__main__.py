@@ -95,8 +95,10 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                     help="skip the llama.cpp peers (by default they run on a GGUF pair where "
                          "llama.cpp's tools are already built: python -m bench.llamacpp "
                          "--build-only; a run never builds them)")
-  what.add_argument("--llamacpp-draft-max", type=_positive, default=8,
-                    help="llamacpp_spec's drafts per step, --spec-draft-n-max (default 8)")
+  what.add_argument("--llamacpp-draft-max", type=_ints, default=[4, 8],
+                    help="llamacpp_spec's drafts per step, --spec-draft-n-max: one or more, "
+                         "comma-separated; each prompt runs at each and keeps the fastest "
+                         "(default 4,8)")
   what.add_argument("--llamacpp-wait-policy", choices=("fastest", "passive", "active"),
                     default="fastest",
                     help="OMP_WAIT_POLICY of llama.cpp's threads: fastest (default) times both "

@@ -137,6 +137,39 @@ def cpu_flags() -> str:
   return f"{platform.machine()} {platform.processor()}"
 
 
+# llama.cpp's logger writes from a thread that exit does not wait for (it leaks
+# the logger on purpose, llama.cpp issue 22142), so a busy host loses a run's
+# last lines, its text and timings among them. The build pauses the logger at
+# exit, which drains its queue and joins the thread.
+_LOG_FILE = "common/log.cpp"
+_LOG_ANCHOR = ("        log = new common_log;\n"
+               "        // Set default to auto-detect colors\n"
+               "        log->set_colors(tty_can_use_colors());\n")
+_LOG_PATCH = "        std::atexit([]() { common_log_pause(log); });  // jspec: flush at exit\n"
+
+
+def patch_source(source: pathlib.Path) -> None:
+  """Makes the tools flush their log at exit (see `_LOG_PATCH`).
+
+  Args:
+    source: the extracted llama.cpp source tree.
+
+  Raises:
+    LlamaCppError: the logger's code is not the one the patch was written
+      for (the anchor is missing or appears more than once).
+  """
+  path = source / _LOG_FILE
+  text = path.read_text(encoding="utf-8")
+  if text.count(_LOG_ANCHOR) != 1:
+    raise LlamaCppError(f"{_LOG_FILE} has {text.count(_LOG_ANCHOR)} copies of the logger set-up line"
+                        f" the exit flush is inserted after, expected exactly 1")
+  text = text.replace(_LOG_ANCHOR, _LOG_ANCHOR + _LOG_PATCH)
+  text = "#include <cstdlib>\n" + text
+  tmp = path.with_suffix(".jspec-tmp")
+  tmp.write_text(text, encoding="utf-8")
+  os.replace(tmp, path)
+
+
 def build_key(flags: Optional[str] = None) -> str:
   """Names one build, so that another version, CPU or set of options never reuses it.
 
@@ -144,10 +177,12 @@ def build_key(flags: Optional[str] = None) -> str:
     flags: CPU flags (default: `cpu_flags()` of this host).
 
   Returns:
-    "<version>-<machine>-<12 hex digits of a hash of the flags, options and targets>".
+    "<version>-<machine>-<12 hex digits of a hash of the flags, options, targets
+    and source patch>".
   """
   flags = cpu_flags() if flags is None else flags
-  digest = hashlib.sha256("\n".join([flags, *cmake_options(flags), *sorted(TARGETS)]).encode())
+  digest = hashlib.sha256("\n".join([flags, *cmake_options(flags), *sorted(TARGETS),
+                                     _LOG_PATCH]).encode())
   return f"{VERSION}-{platform.machine()}-{digest.hexdigest()[:12]}"
 
 
@@ -285,6 +320,7 @@ def build(cache_dir: Optional[os.PathLike] = None, progress: bool = False,
       log = work / "build.log"
       sdist = _download_sdist(work / "sdist", log, progress)
       source = _extract_vendor(sdist, work / "src")
+      patch_source(source)
       bin_dir = _compile(source, work / "build", log, progress, jobs or os.cpu_count() or 1, found)
       staging = pathlib.Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.", suffix=".partial"))
       try:
@@ -499,10 +535,10 @@ def _run_tool(argv: list[str], timeout: float, env: Optional[dict[str, str]],
               speculative: bool) -> tuple[str, str, float, int]:
   """Runs a tool, again where it exited cleanly but its output was cut short.
 
-  llama.cpp's logger writes from a thread that is not joined at exit (it
-  leaks the logger on purpose, llama.cpp issue 22142), so a process can exit
-  0 before its last lines are written; it happened in 3 of 60 runs of a tiny
-  model. Such a run is repeated, up to _ATTEMPTS times in all.
+  The build flushes llama.cpp's logger at exit (`patch_source`); a build
+  without that, or a log cut short some other way, can exit 0 before its
+  last lines are written. Such a run is repeated, up to _ATTEMPTS times in
+  all.
 
   Returns:
     (stdout, stderr, wall seconds of the run kept, attempts).
@@ -847,6 +883,11 @@ def peer_records(tools: Tools, target_path: os.PathLike, draft_path: os.PathLike
                  timeout: float = 900) -> dict[str, dict[str, Any]]:
   """Runs llama.cpp's peer modes on one prompt of a `python -m bench` run, repetitions alternating between modes.
 
+  A mode given several draft lengths runs at each of them (alternated
+  within each repetition too) and keeps the one whose median decode is
+  fastest on this prompt: llama.cpp's speculative decode at its best draft
+  length, which differs from prompt to prompt.
+
   Args:
     tools: from `build` or `find_built`.
     target_path: the target GGUF.
@@ -854,28 +895,46 @@ def peer_records(tools: Tools, target_path: os.PathLike, draft_path: os.PathLike
     text: the prompt text (`prompt_text`).
     max_new_tokens: tokens per generation at most (llama.cpp stops at end of generation).
     reps: repetitions per mode.
-    modes: mode name -> {"threads", "draft_max"} (no draft_max: the target alone).
+    modes: mode name -> {"threads", "draft_max"}: no draft_max, the target
+      alone; an int or a sequence of ints, drafts per step.
     env: extra environment of every llama.cpp process (see `generate`).
     timeout: seconds per process.
 
   Returns:
     Mode name -> `peer_record`, with "prompt_token_ids" (llama.cpp's
-    tokenization of the prompt, from the target-alone mode; None with a draft).
+    tokenization of the prompt, from the target-alone mode; None with a
+    draft), and for several draft lengths "draft_max_sweep": per length,
+    its median decode and prefill + decode tokens/s and acceptance.
 
   Raises:
     LlamaCppError: a tool failed (see `generate`).
+    ValueError: an empty sequence of draft lengths.
   """
-  runs: dict[str, list[dict[str, Any]]] = {name: [] for name in modes}
+  lengths: dict[str, list[Optional[int]]] = {}
+  for name, settings in modes.items():
+    draft_max = settings.get("draft_max")
+    lengths[name] = ([draft_max] if draft_max is None or isinstance(draft_max, int)
+                     else list(draft_max))
+    if not lengths[name]:
+      raise ValueError(f"{name}: draft_max is an empty sequence; expected one or more lengths")
+  runs: dict[tuple[str, Optional[int]], list[dict[str, Any]]] = {
+      (name, d): [] for name, ds in lengths.items() for d in ds}
   for _ in range(reps):
-    for name, settings in modes.items():
-      draft_max = settings.get("draft_max")
-      runs[name].append(generate(tools, target_path, text, max_new_tokens,
-                                 settings.get("threads", 2),
-                                 draft_path if draft_max else None, draft_max, timeout, env))
+    for (name, draft_max), rs in runs.items():
+      rs.append(generate(tools, target_path, text, max_new_tokens,
+                         modes[name].get("threads", 2),
+                         draft_path if draft_max else None, draft_max, timeout, env))
   out = {}
-  for name, rs in runs.items():
-    out[name] = peer_record(rs)
-    out[name]["prompt_token_ids"] = rs[0]["prompt_token_ids"]
+  for name, ds in lengths.items():
+    records = {d: peer_record(runs[(name, d)]) for d in ds}
+    best = max(ds, key=lambda d: records[d]["decode_tokens_per_s"] or 0.0)
+    out[name] = records[best]
+    if len(ds) > 1:
+      out[name]["draft_max_sweep"] = [
+          {"draft_max": d, **{key: records[d][key] for key in
+                              ("decode_tokens_per_s", "tokens_per_s", "accept_pct")}}
+          for d in ds]
+    out[name]["prompt_token_ids"] = runs[(name, best)][0]["prompt_token_ids"]
   return out
 
 

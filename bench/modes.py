@@ -19,13 +19,14 @@ Mode names are the keys of the results JSON:
   llamacpp_target   llama.cpp's llama-completion, the target GGUF alone, greedy
                     (`bench.llamacpp`; only where its tools are built)
   llamacpp_spec     llama.cpp's llama-speculative-simple with the draft GGUF,
-                    at most --llamacpp-draft-max drafts per step
+                    at most --llamacpp-draft-max drafts per step (given
+                    several, each prompt keeps its fastest)
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 HF_MODES = ("hf_target", "hf_assisted")
 LLAMACPP_MODES = ("llamacpp_target", "llamacpp_spec")
@@ -75,7 +76,8 @@ class Mode:
 
 def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: float,
               lookup_gamma: int, ngram: int, float_draft: bool = False,
-              lookup_model_gamma_max: int = 16, llamacpp_draft_max: int = 8,
+              lookup_model_gamma_max: int = 16,
+              llamacpp_draft_max: Union[int, Sequence[int]] = (4, 8),
               llamacpp_threads: int = 2) -> list[Mode]:
   """Every mode a default run measures, in report order.
 
@@ -88,7 +90,9 @@ def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: fl
     float_draft: one more confidence mode whose draft keeps its float
       weights, to compare with the int8 draft of the default in one run.
     lookup_model_gamma_max: static gamma bound of lookup_model.
-    llamacpp_draft_max: llama.cpp's drafts per step (--spec-draft-n-max) in llamacpp_spec.
+    llamacpp_draft_max: llama.cpp's drafts per step (--spec-draft-n-max) in
+      llamacpp_spec: one, or several of which each prompt keeps the fastest
+      (`bench.llamacpp.peer_records`).
     llamacpp_threads: CPU threads of the llama.cpp peers (target and draft).
 
   Returns:
@@ -121,8 +125,11 @@ def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: fl
   modes.append(Mode("hf_target", "hf", "hf"))
   modes.append(Mode("hf_assisted", "hf", "hf"))
   modes.append(Mode("llamacpp_target", "llamacpp", "llamacpp", {"threads": llamacpp_threads}))
+  lengths = ((llamacpp_draft_max,) if isinstance(llamacpp_draft_max, int)
+             else tuple(llamacpp_draft_max))
   modes.append(Mode("llamacpp_spec", "llamacpp", "llamacpp",
-                    {"threads": llamacpp_threads, "draft_max": llamacpp_draft_max}))
+                    {"threads": llamacpp_threads,
+                     "draft_max": lengths[0] if len(lengths) == 1 else lengths}))
   return modes
 
 

@@ -518,6 +518,56 @@ def test_build_key_names_version_and_changes_with_cpu_flags():
   assert llamacpp.build_key() == llamacpp.build_key(llamacpp.cpu_flags())
 
 
+# The logger set-up of llama.cpp 0.3.36's common/log.cpp, around the line the exit flush follows.
+_LOG_CPP = """struct common_log * common_log_main() {
+    static struct common_log * log;
+    static std::once_flag    init_flag;
+    std::call_once(init_flag, [&]() {
+        log = new common_log;
+        // Set default to auto-detect colors
+        log->set_colors(tty_can_use_colors());
+    });
+
+    return log;
+}
+
+void common_log_set_colors(struct common_log * log, log_colors colors) {
+    if (colors == LOG_COLORS_AUTO) {
+        log->set_colors(tty_can_use_colors());
+        return;
+    }
+}
+"""
+
+
+def test_patch_source_flushes_the_log_at_exit_once_inside_the_set_up(tmp_path):
+  (tmp_path / "common").mkdir()
+  log_cpp = tmp_path / "common" / "log.cpp"
+  log_cpp.write_text(_LOG_CPP)
+  llamacpp.patch_source(tmp_path)
+  lines = log_cpp.read_text().splitlines()
+  assert lines[0] == "#include <cstdlib>"
+  flush = [i for i, line in enumerate(lines) if "common_log_pause(log)" in line]
+  assert len(flush) == 1 and "std::atexit" in lines[flush[0]]
+  assert lines[flush[0] - 1].strip() == "log->set_colors(tty_can_use_colors());"
+  assert lines[flush[0] - 3].strip() == "log = new common_log;"
+  assert lines[flush[0] + 1].strip() == "});"
+  assert [p.name for p in (tmp_path / "common").iterdir()] == ["log.cpp"]
+
+
+def test_patch_source_refuses_a_logger_it_was_not_written_for(tmp_path):
+  (tmp_path / "common").mkdir()
+  (tmp_path / "common" / "log.cpp").write_text(_LOG_CPP.replace("log = new common_log;", "log = make();"))
+  with pytest.raises(llamacpp.LlamaCppError, match=r"has 0 copies .* expected exactly 1"):
+    llamacpp.patch_source(tmp_path)
+
+
+def test_build_key_changes_with_the_source_patch(monkeypatch):
+  key = llamacpp.build_key("avx2 fma")
+  monkeypatch.setattr(llamacpp, "_LOG_PATCH", llamacpp._LOG_PATCH.replace("pause", "flush"))  # pylint: disable=protected-access
+  assert llamacpp.build_key("avx2 fma") != key
+
+
 def _fake_binaries(directory, names=None):
   directory.mkdir(parents=True, exist_ok=True)
   for name in names or llamacpp.TARGETS:
@@ -534,18 +584,25 @@ def fake_pipeline(monkeypatch):
 
   def compile_(source, build_dir, log, progress, jobs, found):
     compiled.append(jobs)
+    produce["compiled_log_cpp"] = (source / "common" / "log.cpp").read_text()
     return _fake_binaries(build_dir / "bin", produce["names"])
 
+  def extract(sdist, directory):
+    (directory / "common").mkdir(parents=True)
+    (directory / "common" / "log.cpp").write_text(_LOG_CPP)
+    return directory
+
   monkeypatch.setattr(llamacpp, "_download_sdist", lambda d, log, progress: d / "x.tar.gz")
-  monkeypatch.setattr(llamacpp, "_extract_vendor", lambda sdist, d: d)
+  monkeypatch.setattr(llamacpp, "_extract_vendor", extract)
   monkeypatch.setattr(llamacpp, "_compile", compile_)
   return compiled, produce
 
 
 def test_build_builds_once_then_returns_the_cached_tools(tmp_path, fake_pipeline, monkeypatch):
-  compiled, _ = fake_pipeline
+  compiled, produce = fake_pipeline
   tools = llamacpp.build(cache_dir=tmp_path, jobs=2)
   assert compiled == [2]
+  assert "std::atexit([]() { common_log_pause(log); });" in produce["compiled_log_cpp"]
   assert tools.root == tmp_path / llamacpp.build_key()
   assert tools.completion == tools.root / "llama-completion" and tools.completion.is_file()
   manifest = json.loads((tools.root / "build.json").read_text())
@@ -698,7 +755,7 @@ def _peer_run(tmp_path, gguf, modes="target,spec_g2,llamacpp", reps=2, draft_max
   opts = bench_main._defaults(bench_main.build_parser().parse_args(  # pylint: disable=protected-access
       ["--modes", modes, "--gammas", "2", "--reps", str(reps), "--max-new-tokens", "6",
        "--llamacpp-draft-max", str(draft_max), "--out", str(tmp_path / "run.json")]))
-  every = modes_lib.all_modes(opts.gammas, 8, 0.5, 4, 3, llamacpp_draft_max=draft_max)
+  every = modes_lib.all_modes(opts.gammas, 8, 0.5, 4, 3, llamacpp_draft_max=opts.llamacpp_draft_max)
   chosen = modes_lib.select(every, opts.modes, llamacpp=not opts.no_llamacpp)
   tok = tokenizer_lib.from_gguf(gguf)
   prompt_list = [prompts_lib.Prompt("one", "code", "def one():\n"),
@@ -720,6 +777,36 @@ def _peer_run(tmp_path, gguf, modes="target,spec_g2,llamacpp", reps=2, draft_max
   order = [m.name for m in chosen]
   texts = {"one": "  return 1\n", "two": "  return x + 12"}
   return opts, doc, tmp_path / "run.json", chosen, prompt_list, order, tok, texts
+
+
+def test_bench_peer_phase_keeps_each_prompts_fastest_draft_length(fake_tools, vocab_gguf, tmp_path,
+                                                                   monkeypatch):
+  from bench import runner
+  tools, calls = fake_tools
+  monkeypatch.setattr(llamacpp, "find_built", lambda cache_dir=None: tools)
+  opts, doc, out, chosen, prompt_list, order, _, _ = _peer_run(
+      tmp_path, vocab_gguf, modes="target,llamacpp", draft_max="2,4,8")
+  assert opts.llamacpp_draft_max == [2, 4, 8]
+  runner._llamacpp_phase(opts, doc, out, chosen, prompt_list, order)  # pylint: disable=protected-access
+  made = [c for c in calls() if c["name"] != "llama-bench"]
+  # Each repetition runs the target, then every draft length, alternated.
+  assert [_value(c["argv"], "--spec-draft-n-max") if c["name"] == "llama-speculative-simple"
+          else None for c in made] == [None, "2", "4", "8"] * 4
+  saved = json.loads(out.read_text())
+  for name in ("one", "two"):
+    spec = saved["prompts"][name]["modes"]["llamacpp_spec"]
+    assert spec["draft_max"] == 4 and spec["decode_tokens_per_s"] == 500.0  # the fake's fastest
+    assert len(spec["reps"]) == 2
+    assert [(s["draft_max"], s["decode_tokens_per_s"]) for s in spec["draft_max_sweep"]] == \
+        [(2, 52.0), (4, 500.0), (8, 58.0)]
+    assert "draft_max_sweep" not in saved["prompts"][name]["modes"]["llamacpp_target"]
+
+
+def test_bench_rejects_a_bad_draft_length_list():
+  from bench import __main__ as bench_main
+  for bad in ("4,x", "0,4", ""):
+    with pytest.raises(SystemExit):
+      bench_main.build_parser().parse_args(["--llamacpp-draft-max", bad])
 
 
 def _texts_file(tmp_path, monkeypatch, mapping):
