@@ -1084,10 +1084,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--build-only", action="store_true",
                       help="build the tools (once per version and CPU) and run nothing; "
                            "python -m bench then runs llama.cpp as a peer")
-  parser.add_argument("--omp-wait-policy", choices=("default", "active", "passive"),
+  parser.add_argument("--omp-wait-policy", choices=("default", "fastest", "active", "passive"),
                       default="default",
                       help="OMP_WAIT_POLICY of llama.cpp's OpenMP threads; passive suits a machine"
-                           " shared with other work (default: llama.cpp's own, spinning)")
+                           " shared with other work, fastest times both with llama-bench first"
+                           " and keeps the faster (default: llama.cpp's own, spinning)")
   args = parser.parse_args(argv)
   try:
     sweep = [int(x) for x in args.sweep.split(",") if x.strip()]
@@ -1121,8 +1122,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     target = fetch.assemble(fetch.get_source(TARGET_MODEL))
     draft = fetch.assemble(fetch.get_source(DRAFT_MODEL))
     tok = tokenizer_lib.from_gguf(target)
-    env = ({} if args.omp_wait_policy == "default"
-           else {"OMP_WAIT_POLICY": args.omp_wait_policy.upper()})
+    if args.omp_wait_policy == "fastest":
+      probe = fastest_wait_policy(tools, target, args.threads, timeout=args.timeout)
+      print(f"llamacpp: OMP_WAIT_POLICY={probe['policy']} ("
+            + ", ".join(f"{k} {v:.2f} tok/s" for k, v in probe["tokens_per_s"].items()) + ")",
+            file=sys.stderr)
+      env = {"OMP_WAIT_POLICY": probe["policy"]}
+    else:
+      env = ({} if args.omp_wait_policy == "default"
+             else {"OMP_WAIT_POLICY": args.omp_wait_policy.upper()})
     doc = run_suite(tools, target, draft, chosen, args.max_new_tokens, args.out, args.threads,
                     sweep, tok, args.timeout, sys.stderr, env)
   except (LlamaCppError, fetch.FetchError) as e:

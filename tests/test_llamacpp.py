@@ -974,6 +974,25 @@ def test_main_build_only_builds_and_runs_nothing(monkeypatch, capsys, tmp_path):
   assert str(tmp_path) in capsys.readouterr().out
 
 
+def test_main_fastest_wait_policy_probes_then_runs_the_suite_under_the_faster(
+    fake_tools, gguf_files, monkeypatch, tmp_path):
+  from jspec import fetch
+  from jspec import tokenizer as tokenizer_lib
+  tools, calls = fake_tools
+  suites = []
+  monkeypatch.setattr(llamacpp, "build", lambda **kw: tools)
+  monkeypatch.setattr(fetch, "get_source", lambda name: name)
+  monkeypatch.setattr(fetch, "assemble", lambda source: gguf_files[0])
+  monkeypatch.setattr(tokenizer_lib, "from_gguf", lambda path: None)
+  monkeypatch.setattr(llamacpp, "run_suite", lambda *a: suites.append(a) or {
+      "medians": {"target": {"tok_s_reported": 1, "tok_s_wall": 1},
+                  "speculative": {"tok_s_reported": 1, "tok_s_wall": 1}}, "draft_max": 4})
+  assert llamacpp.main(["--prompts", "1", "--omp-wait-policy", "fastest",
+                        "--out", str(tmp_path / "x.json")]) == 0
+  assert [c["omp"] for c in calls()] == ["PASSIVE", "ACTIVE"] * 2  # the fake: ACTIVE is faster
+  assert suites[0][-1] == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
 @pytest.mark.slow
 def test_bench_runs_llamacpp_beside_jspec_on_a_gguf_pair_and_resumes(fake_tools, tiny_gguf,
                                                                     tmp_path, monkeypatch,
