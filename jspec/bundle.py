@@ -9,6 +9,7 @@ prepared bundle afterwards: `generate` only reads it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from typing import Any, Optional, Sequence
 
@@ -49,7 +50,9 @@ class Settings:
     draft_vocab: K: the draft's head keeps only the rows of the K most
       frequent tokens and the special ones (`jspec.draft_vocab`), a
       cheaper draft step; lossless, as the draft's q is then zero outside
-      them. None (or 0): the whole vocabulary.
+      them. 0: the whole vocabulary. None: `jspec.draft_vocab.DEFAULT`
+      rows where the draft's vocabulary is larger and its tokenizer ranks
+      the ids, else the whole vocabulary.
     draft_int4: store the draft's matrices in 4 bits, a scale and an
       offset per output and block of 32 inputs (`weights.to_int4_blocks`),
       multiplied with float32 activations by the block kernel: fewer bytes
@@ -200,11 +203,12 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
     settings: the load-time choices.
     consume: empty `params` as it goes (loading: peak memory is then the
       model plus one matrix); otherwise it is left as it was.
-    tokenizer: the pair's tokenizer: with `settings.draft_vocab`, a draft's
-      ranking is counted with it and its special ids are kept.
-    ranking: with `settings.draft_vocab`, the draft's ids most frequent
-      first, instead of the tokenizer's (None and no tokenizer: the ids in
-      order).
+    tokenizer: the pair's tokenizer (or a future of it, waited for only
+      where the draft's vocabulary is cut): a draft's ranking is counted
+      with it and its special ids are kept (`settings.draft_vocab`).
+    ranking: the draft's ids most frequent first, instead of the
+      tokenizer's (None and no tokenizer: the ids in order, and by default
+      the full head).
 
   Returns:
     The prepared `Model`.
@@ -242,15 +246,18 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
   else:
     convert_leaf = weights.to_float
   keep = None
-  if role == "draft" and settings.draft_vocab:
-    draft_vocab_lib.check(settings.draft_vocab, cfg.vocab_size)
+  k = (draft_vocab_lib.resolve(settings.draft_vocab, cfg.vocab_size,
+                               ranked=ranking is not None or tokenizer is not None)
+       if role == "draft" else None)
+  if k is not None:
+    if isinstance(tokenizer, concurrent.futures.Future):  # `jspec.load` reads it beside this
+      tokenizer = tokenizer.result()
     if ranking is None and tokenizer is not None:
       ranking = draft_vocab_lib.ranking(tokenizer)
     always = list(cfg.eos_token_ids) + draft_vocab_lib.special_ids(tokenizer)
     # Rounded up to whole kernel panels where the full head fills them too.
     multiple = weights.PANEL if kernels and cfg.vocab_size % weights.PANEL == 0 else 1
-    keep = draft_vocab_lib.subset(settings.draft_vocab, cfg.vocab_size, ranking, always,
-                                  multiple)
+    keep = draft_vocab_lib.subset(k, cfg.vocab_size, ranking, always, multiple)
     source = params["embed"]["table"] if cfg.tie_word_embeddings else params["head"]["w"]
     # [K, D] float rows, stored as the full head would be: the same numbers at each kept id.
     rows = weights.Table(jnp.asarray(weights.lookup(source, np.asarray(keep))))

@@ -29,6 +29,7 @@ import jax
 from jspec import api
 from jspec import bundle as bundle_lib
 from jspec import cpu_kernels
+from jspec import draft_vocab as draft_vocab_lib
 from jspec import fetch
 from jspec import loading
 from jspec import mesh as mesh_lib
@@ -123,10 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store the target in int8 with a scale per output (lossy: the output is "
                    "no longer exactly the checkpoint's model; for float32 checkpoints, which "
                    "exact storage cannot shrink)")
-  gen.add_argument("--draft-vocab", type=_number(int), default=0, metavar="K",
+  gen.add_argument("--draft-vocab", type=_number(int), default=None, metavar="K",
                    help="draft from the K most frequent tokens only (the draft's head keeps their rows and "
                    "the special tokens': a cheaper draft step; the output is the target's either "
-                   "way) (default: 0, the whole vocabulary)")
+                   f"way); 0: the whole vocabulary (default: {draft_vocab_lib.DEFAULT} where the "
+                   "draft's vocabulary is larger)")
   gen.add_argument("--float-draft", action="store_true",
                    help="draft with the draft's float weights (default on CPU: int8, about half "
                    "the cost per draft step; the output is the target's either way)")
@@ -183,10 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store the target in int8 with a scale per output (lossy: the output is "
                    "no longer exactly the checkpoint's model; for float32 checkpoints, which "
                    "exact storage cannot shrink)")
-  srv.add_argument("--draft-vocab", type=_number(int), default=0, metavar="K",
+  srv.add_argument("--draft-vocab", type=_number(int), default=None, metavar="K",
                    help="draft from the K most frequent tokens only (the draft's head keeps their rows and "
                    "the special tokens': a cheaper draft step; the output is the target's either "
-                   "way) (default: 0, the whole vocabulary)")
+                   f"way); 0: the whole vocabulary (default: {draft_vocab_lib.DEFAULT} where the "
+                   "draft's vocabulary is larger)")
   srv.add_argument("--draft-int4", action="store_true",
                    help="draft with 4-bit weights (a scale and an offset per block of 32: fewer "
                    "bytes per draft step than the default int8; the output is the target's either "
@@ -276,7 +279,7 @@ def _load(args, opts: options_lib.Options) -> tuple[Any, str, Optional[str]]:
     raise UsageError(f"--method {opts.method} needs a draft model: pass --draft-model PATH with "
                      f"{'--target' if args.target else '--model'} {target}, or use "
                      "--method prompt_lookup or --method target")
-  if args.draft_vocab and not opts.uses_draft:
+  if args.draft_vocab is not None and not opts.uses_draft:
     raise UsageError(f"--draft-vocab is not used by --method {opts.method} (it runs no draft "
                      "model): drop it, or use --method model or lookup_model")
   if args.draft_int4 and not opts.uses_draft:

@@ -1747,7 +1747,7 @@ def main(argv: Sequence[str], prog: str = "jspec distill") -> int:
   out, work = _paths(args.out, args.work_dir)
   progress = True  # a terminal redraws the bars; a log gets a line a minute (`_bar`)
   bundle = loading.load(target, draft, progress=sys.stderr.isatty(), tokenizer=args.tokenizer,
-                        settings=bundle_lib.Settings(draft_int8=False))
+                        settings=bundle_lib.Settings(draft_int8=False, draft_vocab=0))
   data = prepare_data(bundle, prompts, recipe, work, not args.no_resume, progress)
   cfg = bundle.draft.cfg
   params = float_params(bundle.draft)

@@ -3,7 +3,8 @@
 The draft's output head is a large share of its bytes and of its step
 (docs/decisions-compact.md), and most of its rows are tokens the output
 rarely holds. With `jspec.Settings(draft_vocab=K)` the draft keeps the head
-rows of the K most frequent ids (and every special id), its logits
+rows of the K most frequent ids (and every special id; by default `DEFAULT`
+of them where the vocabulary is larger and a tokenizer ranks it), its logits
 elsewhere are -inf (`jspec.modules.Qwen2`), so q is zero outside the subset:
 still a distribution, and rejection sampling against the target's p keeps
 the output exactly the target's (Zhao et al. 2025, "FR-Spec").
@@ -29,31 +30,57 @@ import numpy as np
 from jspec import distill_data
 
 RANKING_VERSION = "1"  # bump when the corpus or the counting changes
+# K where `draft_vocab` is left to jspec (None): a draft whose vocabulary is
+# larger and whose tokenizer ranks the ids keeps this many rows of its head
+# (docs/decisions-compact.md, "The ranked draft vocabulary by default").
+DEFAULT = 65536
 _BATCH_CHARS = 4_000_000  # characters per encode_batch call: memory stays small
 
 
 def check(k: Any, vocab: Optional[int] = None) -> Optional[int]:
-  """A `draft_vocab` value, checked: a positive int (at most `vocab`), or None for the full head.
+  """A `draft_vocab` value, checked: None (jspec's default), 0 (the full head) or K (at most `vocab`).
 
   Args:
-    k: the value given (None or 0 mean the full vocabulary).
+    k: the value given.
     vocab: the draft's vocabulary size, when known.
 
   Returns:
-    K, or None for the full vocabulary.
+    None, 0 or K.
 
   Raises:
     ValueError: not a non-negative int, or more than the vocabulary.
   """
-  if k is None or (isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k == 0):
+  if k is None:
     return None
   if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
     raise ValueError(f"draft_vocab={k!r}: expected a positive int (the draft's head keeps the "
-                     "K most frequent tokens) or None/0 for the full vocabulary")
+                     "K most frequent tokens), 0 for the full vocabulary or None for jspec's "
+                     f"default ({DEFAULT} where the vocabulary is larger)")
   if vocab is not None and k > vocab:
     raise ValueError(f"draft_vocab={k}: expected at most the draft's vocabulary of {vocab} "
-                     "tokens (or None/0 for all of it)")
+                     "tokens (or 0 for all of it)")
   return int(k)
+
+
+def resolve(k: Optional[int], vocab: int, ranked: bool) -> Optional[int]:
+  """The rows a draft's head keeps, from a checked `draft_vocab` value.
+
+  Args:
+    k: `check`ed: None (jspec's default), 0 (the full head) or K.
+    vocab: the draft's vocabulary size.
+    ranked: whether a tokenizer or an explicit ranking orders the ids. The
+      default cuts only a ranked vocabulary: the first ids in plain order
+      miss common tokens (docs/decisions.md, "Removed: draft head cut").
+
+  Returns:
+    K, or None for the full head.
+
+  Raises:
+    ValueError: K past the vocabulary.
+  """
+  if k is None:
+    return DEFAULT if ranked and vocab > DEFAULT else None
+  return check(k, vocab) or None
 
 
 def subset(k: int, vocab: int, ranking: Optional[Sequence[int]] = None,

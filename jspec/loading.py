@@ -603,12 +603,10 @@ def load(target: PathLike = DEFAULT_PAIR, draft: Optional[PathLike] = None, *,
     return bundle_lib.prepare(cfg, params, role, own, consume=True, tokenizer=tok)
 
   t_model = prepared(t_source, t_path, "target")
-  # Only a cut draft vocabulary is ranked with the tokenizer: otherwise the
-  # draft maps while the tokenizer is still being read.
-  if settings.draft_vocab and isinstance(tok, concurrent.futures.Future):
-    tok = tok.result()
-  ranking_tok = None if isinstance(tok, concurrent.futures.Future) else tok
-  d_model = prepared(d_source, d_path, "draft", ranking_tok) if d_path is not None else None
+  # The draft takes the tokenizer, or the future of it: only a draft prepared
+  # afresh with a cut vocabulary waits for it (`bundle.prepare`), so a draft
+  # mapped from its prepared file maps while the tokenizer is still being read.
+  d_model = prepared(d_source, d_path, "draft", tok) if d_path is not None else None
   if isinstance(tok, concurrent.futures.Future):
     tok = tok.result()
   bundle = bundle_lib.Bundle(t_model, d_model, tok)

@@ -52,10 +52,34 @@ def test_bad_setting_is_one_line(bad):
   assert "expected" in str(err.value)
 
 
-def test_none_and_zero_mean_the_full_vocabulary():
-  assert jspec.Settings(draft_vocab=0) == jspec.Settings() == jspec.Settings(draft_vocab=None)
+def test_zero_means_the_full_vocabulary():
+  assert jspec.Settings() == jspec.Settings(draft_vocab=None) != jspec.Settings(draft_vocab=0)
   bundle = tiny.pair(seed=1, draft_vocab=0)
   assert bundle.draft.params["vocab_head"] is None
+
+
+def test_the_default_cuts_only_a_ranked_vocabulary_larger_than_it():
+  big = draft_vocab.DEFAULT + 1000
+  assert draft_vocab.resolve(None, big, ranked=True) == draft_vocab.DEFAULT
+  assert draft_vocab.resolve(None, big, ranked=False) is None  # ids in plain order: the full head
+  assert draft_vocab.resolve(None, draft_vocab.DEFAULT, ranked=True) is None
+  assert draft_vocab.resolve(0, big, ranked=True) is None
+  assert draft_vocab.resolve(7, big, ranked=False) == 7
+  with pytest.raises(ValueError, match="at most the draft's vocabulary of 10"):
+    draft_vocab.resolve(11, 10, ranked=True)
+  # The tiny pair's vocabulary is below the default: its draft keeps its whole head.
+  assert tiny.pair(seed=1).draft.params["vocab_head"] is None
+
+
+def test_the_default_cuts_a_large_ranked_draft(monkeypatch):
+  # A default K just under the tiny vocabulary stands in for 65536 under 151936.
+  monkeypatch.setattr(draft_vocab, "DEFAULT", K)
+  bundle = _close_pair()
+  assert bundle.draft.params["vocab_ids"].tolist() == draft_vocab.subset(K, tiny.VOCAB, RANKING).tolist()
+  t_cfg, _ = tiny.configs(tiny.VOCAB)
+  params = model.init_params(t_cfg, jax.random.key(3))
+  unranked = bundle_lib.make((t_cfg, params), (t_cfg, params))  # no tokenizer, no ranking
+  assert unranked.draft.params["vocab_head"] is None
 
 
 def test_past_the_vocabulary_is_one_line():
@@ -199,3 +223,28 @@ def test_ranking_is_counted_once_and_cached(tmp_path, monkeypatch):
   assert json.loads(saved.read_text())["tokenizer_sha256"] == draft_vocab.tokenizer_digest(tok)
   assert draft_vocab.special_ids(tok) == [4]
   assert not list(tmp_path.glob("draft_vocab/.*"))  # no temporary left behind
+
+
+def test_a_tokenizer_still_being_read_is_waited_for_only_to_cut_the_head(monkeypatch):
+  import concurrent.futures
+
+  class Tok:
+    eos_token_ids = [tiny.VOCAB - 1]
+    backend = None
+
+  class Unread(concurrent.futures.Future):
+    def result(self, timeout=None):
+      raise AssertionError("waited for a tokenizer the full head does not need")
+
+  seen = []
+  monkeypatch.setattr(draft_vocab, "ranking", lambda tok, cache=None: seen.append(tok) or RANKING)
+  t_cfg, _ = tiny.configs(tiny.VOCAB)
+  params = model.init_params(t_cfg, jax.random.key(3))
+  full = bundle_lib.prepare(t_cfg, params, "draft", jspec.Settings(draft_vocab=0), tokenizer=Unread())
+  assert full.params["vocab_head"] is None and not seen
+  ready = concurrent.futures.Future()
+  ready.set_result(Tok())
+  cut = bundle_lib.prepare(t_cfg, params, "draft", jspec.Settings(draft_vocab=K), tokenizer=ready)
+  assert len(seen) == 1 and isinstance(seen[0], Tok)
+  assert cut.params["vocab_ids"].tolist() == draft_vocab.subset(K, tiny.VOCAB, RANKING,
+                                                                Tok.eos_token_ids).tolist()

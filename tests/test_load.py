@@ -586,3 +586,30 @@ def test_a_cache_directory_that_cannot_be_created_is_one_line(fake_pair, monkeyp
   err = capsys.readouterr().err
   assert err == (f"jspec: error: cannot create the jspec cache directory {tmp_path}/a-file/cache "
                  "(Not a directory); set JSPEC_CACHE to a writable directory\n")
+
+
+def test_default_draft_vocabulary_is_ranked_with_the_pairs_tokenizer(pair, monkeypatch):
+  # A default K under the tiny vocabulary stands in for 65536 under 151936.
+  from jspec import draft_vocab
+  target, draft = pair
+  counted = []
+  vocab = jspec.load(target, draft, progress=False, draft_vocab=0).draft.cfg.vocab_size
+  ranking = list(range(vocab))[::-1]
+
+  def rank(tokenizer, cache=None):
+    counted.append(tokenizer)
+    return np.asarray(ranking, np.int32)
+
+  monkeypatch.setattr(draft_vocab, "DEFAULT", 64)
+  monkeypatch.setattr(draft_vocab, "ranking", rank)
+  bundle = jspec.load(target, draft, progress=False)
+  assert len(counted) == 1 and counted[0] is bundle.tokenizer  # the future resolved, not passed on
+  ids = bundle.draft.params["vocab_ids"].tolist()
+  assert ids == draft_vocab.subset(64, vocab, ranking,
+                                   list(bundle.draft.cfg.eos_token_ids)
+                                   + draft_vocab.special_ids(bundle.tokenizer)).tolist()
+  assert ids[-1] == vocab - 1 and 0 not in ids  # the ranking's first, not the ids' first
+  full = jspec.load(target, draft, progress=False, draft_vocab=0)
+  assert full.draft.params["vocab_head"] is None and len(counted) == 1
+  spec = jspec.generate(bundle, PROMPT, max_new_tokens=8)
+  assert spec.token_ids == jspec.generate(full, PROMPT, max_new_tokens=8, method="target").token_ids

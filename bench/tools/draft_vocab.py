@@ -1,4 +1,4 @@
-"""The frequency-ranked draft vocabulary (`--draft-vocab K`) or the 4-bit draft against the default draft, one process.
+"""The frequency-ranked draft vocabulary (`--draft-vocab K`) or the 4-bit draft against the whole-head draft, one process.
 
     python -m bench.tools.draft_vocab [--k 16384,32768,65536] [--draft-int4]
         [--prompts code,chat] [--max-new-tokens 128] [--reps 2] [--step-reps 30]
@@ -9,8 +9,8 @@ Loads the default pair once, and the same draft restricted to each K
 `--draft-int4` also the draft in 4 bits (`jspec.Settings(draft_int4=True)`,
 named "int4"; `--k ""` for it alone), and with `--int4-head` the default
 draft with only its head taken from the 4-bit one (the table too where tied),
-named "int4_head" (a measurement: no setting loads it). "full" is the default draft (int8
-on CPU, the whole head): every ratio "over_full" is over it. Measures, all
+named "int4_head" (a measurement: no setting loads it). "full" is the draft with its
+whole head (`draft_vocab=0`; int8 on CPU): every ratio "over_full" is over it. Measures, all
 greedy and alternated within each repetition so that host drift falls on
 every configuration alike:
 
@@ -183,13 +183,13 @@ def main(argv=None) -> int:
     parser.error("--int4-head needs --draft-int4")
 
   t0 = time.perf_counter()
-  full = jspec.load(progress=False)
+  full = jspec.load(progress=False, settings=jspec.Settings(draft_vocab=0))
   bundles = {"full": full}
   for k in ks:
     cut = jspec.load(progress=False, settings=jspec.Settings(draft_vocab=k))
     bundles[f"k{k}"] = bundle_lib.Bundle(full.target, cut.draft, full.tokenizer)
   if args.draft_int4:
-    int4 = jspec.load(progress=False, settings=jspec.Settings(draft_int4=True))
+    int4 = jspec.load(progress=False, settings=jspec.Settings(draft_int4=True, draft_vocab=0))
     bundles["int4"] = bundle_lib.Bundle(full.target, int4.draft, full.tokenizer)
     if args.int4_head:  # the int8 layers, the 4-bit head: where the 4-bit form gains
       params = dict(full.draft.params)
