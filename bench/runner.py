@@ -18,7 +18,7 @@ import pathlib
 import random
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from bench import derive
 from bench import engine
@@ -165,8 +165,13 @@ def _bracket(before: Optional[float], after: Optional[float]) -> dict[str, Any]:
           "gbs": sum(reads) / len(reads) if reads else None}
 
 
-def _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order) -> bool:
-  """Measures every missing jspec record. Returns False if the gate stopped the run."""
+def _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order,
+                 after_prompt: Optional[Callable[[Any], None]] = None) -> bool:
+  """Measures every missing jspec record. Returns False if the gate stopped the run.
+
+  `after_prompt(p)` runs after each prompt's records are written while the
+  gate holds (the llama.cpp peers on that prompt: `run`).
+  """
   jmodes = [m for m in chosen if m.engine == "jspec"]
   need = any(not results.has(doc, p.name, m.name) for p in prompt_list for m in jmodes)
   need = need or any(p.name not in doc["prompts"] for p in prompt_list)
@@ -232,6 +237,8 @@ def _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order) -> bool:
       _log(f"greedy ids differ from jspec target-only on {p.name}; stopping "
            "(--allow-mismatch finishes the run)")
       break
+    if after_prompt is not None:
+      after_prompt(p)
   peak = memory.peak_rss_bytes()
   both = loaded.info["target"]["param_bytes"] + loaded.info["draft"]["param_bytes"]
   float_draft = loaded.info.get("float_draft", {}).get("param_bytes")
@@ -333,8 +340,15 @@ def _eos_cut(ids: list[int], eos: list[int]) -> tuple[list[int], bool]:
   return ids, False
 
 
-def _llamacpp_phase(opts, doc, out, chosen, prompt_list, order) -> None:
+def _llamacpp_phase(opts, doc, out, chosen, prompt_list, order,
+                    memo: Optional[dict] = None) -> None:
   """Runs the llama.cpp peers on every prompt that lacks one of their records.
+
+  `run` calls it for each prompt right after jspec's records of that prompt
+  (the host's speed drifts over minutes: a ratio of figures taken a phase
+  apart is partly the drift), then once more for any prompt still lacking
+  them (a resumed run). `memo` carries the wait-policy probe and the
+  tokenizer between those calls, so that the probe runs once per run.
 
   They run on the GGUF files jspec loaded, with the prompt text jspec
   tokenized (`llamacpp.prompt_text`), max_new_tokens and reps as jspec's
@@ -350,16 +364,20 @@ def _llamacpp_phase(opts, doc, out, chosen, prompt_list, order) -> None:
     chosen: the run's modes.
     prompt_list: the run's prompts.
     order: mode names in report order.
+    memo: what earlier calls of this run found (the probe, the tokenizer).
   """
   lmodes = [m for m in chosen if m.engine == "llamacpp"]
   todo = [p for p in prompt_list if p.name in doc["prompts"]
           and any(not results.has(doc, p.name, m.name) for m in lmodes)]
   if not lmodes or not todo:
     return
+  memo = {} if memo is None else memo
   tools = llamacpp.find_built()
   reason = _llamacpp_skip_reason(doc, tools)
   if reason is not None:
-    _log(f"skipping the llama.cpp peers: {reason}")
+    if memo.get("skipped") != reason:
+      _log(f"skipping the llama.cpp peers: {reason}")
+    memo["skipped"] = reason
     doc.setdefault("llamacpp", {})["skipped"] = reason  # what an earlier run recorded stays
     return
   source = doc["models"]["hf_source"]
@@ -371,15 +389,20 @@ def _llamacpp_phase(opts, doc, out, chosen, prompt_list, order) -> None:
   # peer runs under the policy that is faster here now, unless one is asked for.
   probe = None
   if opts.llamacpp_wait_policy == "fastest":
-    try:
-      probe = llamacpp.fastest_wait_policy(tools, source["target"], opts.llamacpp_threads)
-    except llamacpp.LlamaCppError as e:
-      info["error"] = str(e)
-      _log(f"the llama.cpp peers did not run: {e}")
-      return
+    if "probe" not in memo:
+      try:
+        memo["probe"] = llamacpp.fastest_wait_policy(tools, source["target"],
+                                                     opts.llamacpp_threads)
+      except llamacpp.LlamaCppError as e:
+        info["error"] = str(e)
+        _log(f"the llama.cpp peers did not run: {e}")
+        return
+      probe = memo["probe"]
+      _log(f"llama.cpp's OpenMP wait policy: {probe['policy']} (llama-bench, {probe['n_gen']} "
+           "tokens: " + ", ".join(f"{k} {v:.2f} tok/s" for k, v in probe["tokens_per_s"].items())
+           + ")")
+    probe = memo["probe"]
     policy = probe["policy"]
-    _log(f"llama.cpp's OpenMP wait policy: {policy} (llama-bench, {probe['n_gen']} tokens: "
-         + ", ".join(f"{k} {v:.2f} tok/s" for k, v in probe["tokens_per_s"].items()) + ")")
   else:
     policy = opts.llamacpp_wait_policy.upper()
   env = {"OMP_WAIT_POLICY": policy}
@@ -394,7 +417,7 @@ def _llamacpp_phase(opts, doc, out, chosen, prompt_list, order) -> None:
                 "excluded); decode_tokens_per_s: its reported eval (or decode) tokens/s; "
                 "wall_tokens_per_s: over the whole process, loading included"})
   try:
-    tok = tokenizer_lib.from_gguf(source["target"])
+    tok = memo["tokenizer"] = memo.get("tokenizer") or tokenizer_lib.from_gguf(source["target"])
   except tokenizer_lib.TokenizerError as e:
     info["error"] = str(e)
     _log(f"the llama.cpp peers did not run: {e}")
@@ -555,10 +578,15 @@ def run(opts: argparse.Namespace, argv: Optional[list[str]] = None) -> int:
   lap("bandwidth")
 
   order = _mode_order(doc, chosen)
-  ok = _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order)
+  memo: dict = {}
+  # Each prompt's llama.cpp records are taken right after jspec's (its time
+  # is counted in the jspec phase), so both meet the host in the same state.
+  after = ((lambda p: _llamacpp_phase(opts, doc, out, chosen, [p], order, memo))
+           if any(m.engine == "llamacpp" for m in chosen) else None)
+  ok = _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order, after)
   lap("jspec")
   if ok:
-    _llamacpp_phase(opts, doc, out, chosen, prompt_list, order)
+    _llamacpp_phase(opts, doc, out, chosen, prompt_list, order, memo)
     lap("llamacpp")
     measured = _hf_phase(opts, doc, out, chosen, prompt_list, order)
     lap("hf")

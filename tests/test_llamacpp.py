@@ -994,6 +994,32 @@ def test_main_fastest_wait_policy_probes_then_runs_the_suite_under_the_faster(
 
 
 @pytest.mark.slow
+def test_bench_takes_each_prompts_llamacpp_records_right_after_jspecs(fake_tools, tiny_gguf,
+                                                                      tmp_path, monkeypatch):
+  from bench import __main__ as bench_main
+  from bench import engine
+  tools, every_call = fake_tools
+  monkeypatch.setattr(llamacpp, "find_built", lambda cache_dir=None: tools)
+  order = []
+  run_modes = engine.run_modes
+  monkeypatch.setattr(engine, "run_modes", lambda bundle, ids, *a, **k: order.append(
+      ("jspec", len(every_call()))) or run_modes(bundle, ids, *a, **k))
+  out = tmp_path / "two.json"
+  assert bench_main.main(["--target", str(tiny_gguf), "--draft", str(tiny_gguf),
+                          "--prompts", "quicksort,dijkstra", "--modes", "target,llamacpp",
+                          "--max-new-tokens", "4", "--reps", "1", "--no-hf",
+                          "--llamacpp-draft-max", "3", "--bandwidth-bytes", str(16 << 20),
+                          "--out", str(out)]) == 0
+  runs = [c for c in every_call() if c["name"] != "llama-bench"]
+  probes = [c for c in every_call() if c["name"] == "llama-bench"]
+  doc = json.loads(out.read_text())
+  texts = [doc["prompts"][p]["text"] for p in ("quicksort", "dijkstra")]
+  # quicksort's jspec records, the probe (once), its llama.cpp records, then dijkstra's.
+  assert len(probes) == 4 and [c["prompt"] for c in runs] == [texts[0]] * 2 + [texts[1]] * 2
+  assert order == [("jspec", 0), ("jspec", len(probes) + 2)]
+
+
+@pytest.mark.slow
 def test_bench_runs_llamacpp_beside_jspec_on_a_gguf_pair_and_resumes(fake_tools, tiny_gguf,
                                                                     tmp_path, monkeypatch,
                                                                     capsys):
