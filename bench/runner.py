@@ -422,8 +422,9 @@ def _llamacpp_phase(opts, doc, out, chosen, prompt_list, order,
     info["error"] = str(e)
     _log(f"the llama.cpp peers did not run: {e}")
     return
-  _log(f"llama.cpp peers ({', '.join(m.name for m in lmodes)}) on {len(todo)} prompts, "
-       f"tools in {tools.root}")
+  if not memo.get("announced"):
+    memo["announced"] = True
+    _log(f"llama.cpp peers ({', '.join(m.name for m in lmodes)}), tools in {tools.root}")
   for p in todo:
     entry = doc["prompts"][p.name]
     want = {m.name: m.kwargs for m in lmodes if not results.has(doc, p.name, m.name)}
