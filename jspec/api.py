@@ -16,6 +16,7 @@ import numpy as np
 
 from jspec import bundle as bundle_lib
 from jspec import decode
+from jspec import draft_vocab as draft_vocab_lib
 from jspec import mesh as mesh_lib
 from jspec import options as options_lib
 from jspec import programs
@@ -207,6 +208,8 @@ def request(bundle: bundle_lib.Bundle, prompt: Union[Prompt, Sequence[Prompt]],
   for r, row in enumerate(ids):
     padded[r, :len(row)] = row
   draft_params = bundle.draft.params if spec.draft is not None else None
+  if draft_params is not None and placement is None:  # a mesh keeps the params it placed
+    draft_params = draft_vocab_lib.with_prompt_ids(draft_params, bundle.draft.cfg.vocab_size, ids)
   # Host arrays, not jnp ones: each jnp call here would compile a small
   # program of its own in a new process, before the first token.
   args = (bundle.target.params, draft_params, padded,

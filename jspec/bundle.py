@@ -272,6 +272,8 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
   if keep is not None:
     module.vocab_ids.set_value(jnp.asarray(keep, jnp.int32))
     module.vocab_head.set_value(jax.tree.map(jnp.asarray, convert_leaf(rows)))
+    module.vocab_extra.set_value(jnp.full((draft_vocab_lib.PROMPT_ROWS,), cfg.vocab_size,
+                                          jnp.int32))
   prepared = model.params_of(module)
   backend = model.Backend(kernels=kernels, fused_attention=settings.fused_attention,
                           scan_layers=settings.scan_layers, dtype=dtype.name)

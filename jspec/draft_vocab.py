@@ -34,6 +34,10 @@ RANKING_VERSION = "1"  # bump when the corpus or the counting changes
 # larger and whose tokenizer ranks the ids keeps this many rows of its head
 # (docs/decisions-compact.md, "The ranked draft vocabulary by default").
 DEFAULT = 65536
+# Ids of a request's prompts outside the subset that its draft may propose
+# too, scored from the whole head (`with_prompt_ids`): what a frequency
+# ranking misses most is the prompt's own identifiers.
+PROMPT_ROWS = 256
 _BATCH_CHARS = 4_000_000  # characters per encode_batch call: memory stays small
 
 
@@ -114,6 +118,35 @@ def subset(k: int, vocab: int, ranking: Optional[Sequence[int]] = None,
   ranked = order[~keep[order]]  # the ranking without the ids kept already
   keep[ranked[:want - count]] = True
   return np.flatnonzero(keep).astype(np.int32)
+
+
+def with_prompt_ids(params: dict, vocab: int, prompts: Sequence[Sequence[int]]) -> dict:
+  """A cut draft's params for one request: its prompts' ids outside the subset are scored too.
+
+  The first `PROMPT_ROWS` distinct ids of the prompts, in order, that the
+  subset lacks go into the params' `vocab_extra` (the rest of it V, unused),
+  a host array of the same shape as before, so no program compiles again.
+
+  Args:
+    params: a draft's prepared params (returned as they are where its head
+      is whole).
+    vocab: the draft's vocabulary size V.
+    prompts: the request's prompt ids, one list per row.
+
+  Returns:
+    The params, with `vocab_extra` replaced.
+  """
+  extra = params.get("vocab_extra") if isinstance(params, dict) else None
+  if extra is None:
+    return params
+  flat = np.concatenate([np.asarray(p, np.int64).reshape(-1) for p in prompts] or [[]])
+  flat = flat[(flat >= 0) & (flat < vocab)]
+  first = np.sort(np.unique(flat, return_index=True)[1])
+  ordered = flat[first]
+  new = ordered[~np.isin(ordered, np.asarray(params["vocab_ids"]))][:np.shape(extra)[0]]
+  out = np.full(np.shape(extra), vocab, np.int32)
+  out[:len(new)] = new
+  return {**params, "vocab_extra": out}
 
 
 def special_ids(tokenizer: Any) -> list[int]:

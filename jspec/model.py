@@ -129,27 +129,38 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def subset_logits(x: jax.Array, head: weights.Leaf, ids: jax.Array, vocab: int) -> jax.Array:
+def subset_logits(x: jax.Array, head: weights.Leaf, ids: jax.Array, vocab: int,
+                  whole: Optional[weights.Leaf] = None,
+                  extra: Optional[jax.Array] = None) -> jax.Array:
   """Logits over the whole vocabulary from a head that holds only some ids' rows; -inf elsewhere.
 
   A draft with a frequency-ranked vocabulary (`jspec.draft_vocab`) reads
   K rows of its head, not V. Putting its logits back at their ids, with
   -inf at every other id, makes q exactly zero outside the subset (a
   valid distribution, so acceptance keeps the output the target's) and
-  lets every consumer keep indexing logits by token id.
+  lets every consumer keep indexing logits by token id. The request's own
+  prompt ids outside the subset (`extra`) are scored from the whole head's
+  rows, so that the draft can propose the prompt's rare identifiers.
 
   Args:
     x: [B, T, D] normed hidden states.
     head: the kept rows, a weight leaf of logical shape [D, K].
     ids: [K] int32 the ids of those rows.
     vocab: V.
+    whole: the whole head [D, V] (needed with `extra`).
+    extra: [R] int32 more ids, not in `ids` and distinct, or V (unused).
 
   Returns:
     [B, T, V] float32.
   """
   part = weights.dot(x, head, out_dtype=jnp.float32).astype(jnp.float32)  # [B, T, K]
   full = jnp.full((*part.shape[:-1], vocab), -jnp.inf, jnp.float32)  # [B, T, V]
-  return full.at[..., ids].set(part, unique_indices=True, indices_are_sorted=True)
+  full = full.at[..., ids].set(part, unique_indices=True, indices_are_sorted=True)
+  if extra is None:
+    return full
+  rows = weights.lookup(whole, jnp.minimum(extra, vocab - 1)).astype(jnp.float32)  # [R, D]
+  more = jnp.einsum("btd,rd->btr", x.astype(jnp.float32), rows)  # [B, T, R]
+  return full.at[..., extra].set(more, mode="drop")  # unused slots (V) are dropped
 
 
 def _keys(tree: Any, key) -> Any:

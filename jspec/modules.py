@@ -231,6 +231,9 @@ class Qwen2(nnx.Module):
     # A draft's head cut to a frequent subset of the vocabulary (`jspec.draft_vocab`):
     self.vocab_ids = Derived(None)  # [K] int32 ascending ids it keeps
     self.vocab_head = Derived(None)  # a weight leaf [D, K]: the head's rows of those ids
+    # [R] int32: ids of the request's prompts outside vocab_ids, scored from the
+    # whole head's rows too (V where unused; `jspec.draft_vocab.with_prompt_ids`).
+    self.vocab_extra = Derived(None)
     self.cfg = cfg
 
   def __call__(self, tokens, cache: cache_lib.KVCache, logits_at: Optional[jax.Array] = None, *,
@@ -257,7 +260,7 @@ class Qwen2(nnx.Module):
     b, t_out, d = x.shape
     if self.vocab_head.get_value() is not None:
       logits = model.subset_logits(x, self.vocab_head.get_value(), self.vocab_ids.get_value(),
-                             self.cfg.vocab_size)
+                                   self.cfg.vocab_size, head, self.vocab_extra.get_value())
     elif greedy and bound is not None and greedy_head.applies(b * t_out, head, backend.kernels):
       logits = greedy_head.logits(x.reshape(b * t_out, d), head.p, bound,
                                   vocab_limit).reshape(b, t_out, -1)

@@ -248,3 +248,74 @@ def test_a_tokenizer_still_being_read_is_waited_for_only_to_cut_the_head(monkeyp
   assert len(seen) == 1 and isinstance(seen[0], Tok)
   assert cut.params["vocab_ids"].tolist() == draft_vocab.subset(K, tiny.VOCAB, RANKING,
                                                                 Tok.eos_token_ids).tolist()
+
+
+def test_with_prompt_ids_takes_the_prompts_ids_outside_the_subset_in_order():
+  params = {"vocab_ids": np.asarray([0, 2, 4]), "vocab_extra": np.full((3,), 11, np.int32), "x": 1}
+  got = draft_vocab.with_prompt_ids(params, 11, [[5, 2, 9, 5, 30, -1], [0, 1, 7]])
+  assert got["vocab_extra"].tolist() == [5, 9, 1]  # first seen, distinct, capped at 3; 7 left out
+  assert got["x"] == 1 and params["vocab_extra"].tolist() == [11, 11, 11]  # not edited in place
+  assert draft_vocab.with_prompt_ids(params, 11, [[2, 4]])["vocab_extra"].tolist() == [11] * 3
+  whole = {"vocab_ids": None, "vocab_extra": None}
+  assert draft_vocab.with_prompt_ids(whole, 11, [[5]]) is whole
+
+
+@pytest.mark.parametrize("settings", [dict(draft_int8=True), dict(kernels=False, draft_int8=False)],
+                         ids=["int8", "float"])
+def test_prompt_ids_outside_the_subset_are_scored_from_the_whole_head(settings):
+  full = _close_pair(**settings)
+  cut = _close_pair(draft_vocab=K, **settings)
+  ids = np.asarray(cut.draft.params["vocab_ids"])
+  tokens = jnp.asarray([tiny.prompt(5, 7), tiny.prompt(6, 7)], jnp.int32)
+  extra = [i for i in range(tiny.VOCAB) if i not in ids][:2]
+  params = draft_vocab.with_prompt_ids(cut.draft.params, tiny.VOCAB, [extra])
+
+  def logits(b, p):
+    cache = cache_lib.init(b.draft.cfg, 2, 8)
+    return np.asarray(jax.jit(lambda p, t, c: model.forward(b.draft.arch, p, t, c)[0])(
+        p, tokens, cache))  # [2, 7, V]
+
+  want, got = logits(full, full.draft.params), logits(cut, params)
+  np.testing.assert_array_equal(got[..., ids], want[..., ids])
+  # The rows are the whole head's; the int8 head's products run on activations
+  # quantized to int8, the extra rows' in float.
+  np.testing.assert_allclose(got[..., extra], want[..., extra], rtol=0.05, atol=0.05)
+  outside = np.setdiff1d(np.arange(tiny.VOCAB), np.concatenate([ids, extra]))
+  assert np.all(got[..., outside] == -np.inf)
+
+
+def test_a_prompt_id_the_subset_lacks_is_still_proposed():
+  """Draft = target, cut to what the target emits but one id that the prompt holds: all accepted."""
+  t_cfg, _ = tiny.configs()
+  params = model.init_params(t_cfg, jax.random.key(3), scale=0.6)
+  full = bundle_lib.make((t_cfg, params), (t_cfg, params), settings=jspec.Settings(
+      kernels=False, draft_int8=False))
+  for seed in range(40):
+    prompt = tiny.prompt(seed, 8)
+    want = jspec.generate(full, prompt, max_new_tokens=12, method="target").token_ids
+    shared = sorted(set(want) & set(prompt))
+    if shared and len(set(want)) > 1:
+      break
+  else:
+    pytest.fail("no tiny prompt whose continuation repeats one of its ids")
+  kept = [i for i in sorted(set(want)) if i != shared[0]]
+  ranking = kept + [i for i in range(tiny.VOCAB) if i not in kept]
+  cut = bundle_lib.make((t_cfg, params), (t_cfg, params), settings=jspec.Settings(
+      kernels=False, draft_int8=False, draft_vocab=len(kept)), ranking=ranking)
+  assert shared[0] not in np.asarray(cut.draft.params["vocab_ids"]).tolist()
+  got = jspec.generate(cut, prompt, max_new_tokens=12, policy="fixed", gamma=3)
+  assert got.token_ids == want
+  assert got.stats["acceptance_rate"] == 1.0
+
+
+def test_the_prompt_ids_tool_compares_the_same_draft_without_them():
+  from bench.tools import prompt_ids
+  cut = _close_pair(draft_vocab=K, draft_int8=True)
+  alone = prompt_ids.without_prompt_ids(cut)
+  assert alone.draft.params["vocab_extra"] is None and cut.draft.params["vocab_extra"] is not None
+  assert alone.draft.params["vocab_head"] is cut.draft.params["vocab_head"]
+  prompt = [i for i in range(tiny.VOCAB) if i not in cut.draft.params["vocab_ids"].tolist()][:3]
+  want = jspec.generate(cut, prompt, max_new_tokens=8, method="target").token_ids
+  assert jspec.generate(alone, prompt, max_new_tokens=8).token_ids == want
+  with pytest.raises(ValueError, match="the draft's head is whole"):
+    prompt_ids.without_prompt_ids(_close_pair(draft_int8=True))
