@@ -372,6 +372,8 @@ def _llamacpp_phase(opts, doc, out, chosen, prompt_list, order,
   if not lmodes or not todo:
     return
   memo = {} if memo is None else memo
+  if memo.get("failed"):  # one failure ends the peers for the run, as it did in one phase
+    return
   tools = llamacpp.find_built()
   reason = _llamacpp_skip_reason(doc, tools)
   if reason is not None:
@@ -394,7 +396,7 @@ def _llamacpp_phase(opts, doc, out, chosen, prompt_list, order,
         memo["probe"] = llamacpp.fastest_wait_policy(tools, source["target"],
                                                      opts.llamacpp_threads)
       except llamacpp.LlamaCppError as e:
-        info["error"] = str(e)
+        info["error"] = memo["failed"] = str(e)
         _log(f"the llama.cpp peers did not run: {e}")
         return
       probe = memo["probe"]
@@ -419,7 +421,7 @@ def _llamacpp_phase(opts, doc, out, chosen, prompt_list, order,
   try:
     tok = memo["tokenizer"] = memo.get("tokenizer") or tokenizer_lib.from_gguf(source["target"])
   except tokenizer_lib.TokenizerError as e:
-    info["error"] = str(e)
+    info["error"] = memo["failed"] = str(e)
     _log(f"the llama.cpp peers did not run: {e}")
     return
   if not memo.get("announced"):
@@ -433,7 +435,7 @@ def _llamacpp_phase(opts, doc, out, chosen, prompt_list, order,
                                    llamacpp.prompt_text(p, tok), opts.max_new_tokens, opts.reps,
                                    want, env, LLAMACPP_TIMEOUT_S)
     except (llamacpp.LlamaCppError, ValueError) as e:  # keep the records measured so far
-      info["error"] = f"{p.name}: {e}"
+      info["error"] = memo["failed"] = f"{p.name}: {e}"
       _log(f"the llama.cpp peers failed on {p.name}: {e}")
       results.write(doc, out)
       break

@@ -802,6 +802,26 @@ def test_bench_peer_phase_keeps_each_prompts_fastest_draft_length(fake_tools, vo
     assert "draft_max_sweep" not in saved["prompts"][name]["modes"]["llamacpp_target"]
 
 
+def test_bench_peer_phase_stops_for_the_run_after_a_failure(fake_tools, vocab_gguf, tmp_path,
+                                                             monkeypatch):
+  # Called prompt by prompt (`runner.run`), one failure ends the peers, as in one phase.
+  from bench import runner
+  tools, calls = fake_tools
+  monkeypatch.setattr(llamacpp, "find_built", lambda cache_dir=None: tools)
+  monkeypatch.setenv("FAKE_LLAMA_MODE", "fail")
+  opts, doc, out, chosen, prompt_list, order, _, _ = _peer_run(tmp_path, vocab_gguf,
+                                                               modes="target,llamacpp")
+  memo = {}
+  runner._llamacpp_phase(opts, doc, out, chosen, prompt_list[:1], order, memo)  # pylint: disable=protected-access
+  runs = [c for c in calls() if c["name"] != "llama-bench"]
+  assert len(runs) == 1 and "error loading model" in doc["llamacpp"]["error"]
+  runner._llamacpp_phase(opts, doc, out, chosen, prompt_list[1:], order, memo)  # pylint: disable=protected-access
+  runner._llamacpp_phase(opts, doc, out, chosen, prompt_list, order, memo)  # pylint: disable=protected-access
+  assert len([c for c in calls() if c["name"] != "llama-bench"]) == 1
+  assert len([c for c in calls() if c["name"] == "llama-bench"]) == 4  # the probe, once
+  assert "error loading model" in doc["llamacpp"]["error"]
+
+
 def test_bench_rejects_a_bad_draft_length_list():
   from bench import __main__ as bench_main
   for bad in ("4,x", "0,4", ""):
