@@ -609,3 +609,11 @@ def test_confidence_sweep_summary_pairs_each_threshold_with_its_own_repetition()
   assert s["c0.8"]["speedup_over_target"] == pytest.approx((1.8 + 1.65) / 2)
   assert s["c0.8"]["over_first_paired"] == pytest.approx((1.2 + 1.1) / 2)  # not 51 / 45
   assert s["c0.8"]["ids_equal_target"] == 1 and s["c0.5"]["ids_equal_target"] == 2
+
+
+def test_fuse_gate_up_gives_the_separate_calls_numbers():
+  from bench.tools import fuse_gate_up
+  got = fuse_gate_up.measure(layers=2, d=64, f=96, reps=2)
+  assert got["max_abs_diff"] == 0.0  # one call over [gate | up] sums as the two calls do
+  assert got["weight_bytes"] > 0 and got["separate_ms"] > 0 and got["fused_ms"] > 0
+  assert got["fused_over_separate"] > 0
