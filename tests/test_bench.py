@@ -617,3 +617,30 @@ def test_fuse_gate_up_gives_the_separate_calls_numbers():
   assert got["max_abs_diff"] == 0.0  # one call over [gate | up] sums as the two calls do
   assert got["weight_bytes"] > 0 and got["separate_ms"] > 0 and got["fused_ms"] > 0
   assert got["fused_over_separate"] > 0
+
+
+def test_compare_rotates_configurations_and_flags_unequal_ids(tmp_path, capsys):
+  import json as json_lib
+  from bench import prompts as prompts_lib
+  from bench.tools import confidence_sweep
+  calls = []
+
+  def fake(name, tok_s, ids=(1, 2)):
+    def run(x):
+      calls.append(name)
+      return {"ids": list(ids), "tok_s": tok_s, "acceptance": 1.0, "tokens_per_round": 2.0}
+    return run
+
+  chosen = [prompts_lib.Prompt("a", "code", "x"), prompts_lib.Prompt("b", "code", "y")]
+  configs = {"target": fake("target", 10.0), "one": fake("one", 20.0), "two": fake("two", 30.0)}
+  out = tmp_path / "c.json"
+  assert confidence_sweep.compare(configs, chosen, {"a": [1], "b": [2]}, 2, out, {}) == 0
+  assert calls[:3] == ["target", "one", "two"]  # the untimed first runs
+  doc = json_lib.loads(out.read_text())
+  assert [r["order"] for r in doc["records"]] == [
+      ["target", "one", "two"], ["one", "two", "target"],
+      ["one", "two", "target"], ["two", "target", "one"]]
+  assert doc["summary"]["code"]["two"]["over_first_paired"] == pytest.approx(1.5)
+  assert doc["summary"]["code"]["one"]["speedup_over_target"] == pytest.approx(2.0)
+  configs["two"] = fake("two", 30.0, ids=(1, 3))
+  assert confidence_sweep.compare(configs, chosen, {"a": [1], "b": [2]}, 1, out, {}) == 1

@@ -44,6 +44,14 @@ def _close_pair(vocab: int = tiny.VOCAB, **settings) -> jspec.Bundle:
                          ranking=RANKING[:vocab] if vocab == tiny.VOCAB else None)
 
 
+def _draft_logits(bundle: jspec.Bundle, params=None) -> np.ndarray:
+  """The draft's logits [2, 7, V] on two tiny prompts (its own params, or `params`)."""
+  tokens = jnp.asarray([tiny.prompt(5, 7), tiny.prompt(6, 7)], jnp.int32)
+  cache = cache_lib.init(bundle.draft.cfg, 2, 8)
+  step = jax.jit(lambda p, t, c: model.forward(bundle.draft.arch, p, t, c)[0])
+  return np.asarray(step(bundle.draft.params if params is None else params, tokens, cache))
+
+
 @pytest.mark.parametrize("bad", [-1, 2.5, "8", True, [4]])
 def test_bad_setting_is_one_line(bad):
   with pytest.raises(ValueError) as err:
@@ -117,14 +125,7 @@ def test_logits_are_the_full_heads_at_the_subset_and_minus_inf_elsewhere(setting
   cut = _close_pair(draft_vocab=K, **settings)
   ids = np.asarray(cut.draft.params["vocab_ids"])
   assert ids.tolist() == sorted(RANKING[:K])
-  tokens = jnp.asarray([tiny.prompt(5, 7), tiny.prompt(6, 7)], jnp.int32)
-
-  def logits(b):
-    cache = cache_lib.init(b.draft.cfg, 2, 8)
-    return np.asarray(jax.jit(lambda p, t, c: model.forward(b.draft.arch, p, t, c)[0])(
-        b.draft.params, tokens, cache))  # [2, 7, V]
-
-  want, got = logits(full), logits(cut)
+  want, got = _draft_logits(full), _draft_logits(cut)
   np.testing.assert_array_equal(got[..., ids], want[..., ids])
   outside = np.setdiff1d(np.arange(tiny.VOCAB), ids)
   assert np.all(got[..., outside] == -np.inf)
@@ -266,16 +267,9 @@ def test_prompt_ids_outside_the_subset_are_scored_from_the_whole_head(settings):
   full = _close_pair(**settings)
   cut = _close_pair(draft_vocab=K, **settings)
   ids = np.asarray(cut.draft.params["vocab_ids"])
-  tokens = jnp.asarray([tiny.prompt(5, 7), tiny.prompt(6, 7)], jnp.int32)
   extra = [i for i in range(tiny.VOCAB) if i not in ids][:2]
   params = draft_vocab.with_prompt_ids(cut.draft.params, tiny.VOCAB, [extra])
-
-  def logits(b, p):
-    cache = cache_lib.init(b.draft.cfg, 2, 8)
-    return np.asarray(jax.jit(lambda p, t, c: model.forward(b.draft.arch, p, t, c)[0])(
-        p, tokens, cache))  # [2, 7, V]
-
-  want, got = logits(full, full.draft.params), logits(cut, params)
+  want, got = _draft_logits(full), _draft_logits(cut, params)
   np.testing.assert_array_equal(got[..., ids], want[..., ids])
   # The rows are the whole head's; the int8 head's products run on activations
   # quantized to int8, the extra rows' in float.

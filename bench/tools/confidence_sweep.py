@@ -22,7 +22,7 @@ import argparse
 import pathlib
 import statistics
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jspec
 from bench import prompts as prompts_lib
@@ -98,29 +98,54 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   names = [f"c{t:g}" for t in thresholds]
   ids = {p.name: prompts_lib.encode(p, bundle.tokenizer) for p in chosen}
   n = args.max_new_tokens
-  for p in chosen[:1]:  # compiles every program once
-    _run(bundle, ids[p.name], n, method="target")
-    _run(bundle, ids[p.name], n, min_confidence=thresholds[0])
-  records: list[dict[str, Any]] = []
+  configs = {"target": lambda x: _run(bundle, x, n, method="target")}
+  for t, name in zip(thresholds, names):
+    configs[name] = lambda x, t=t: _run(bundle, x, n, min_confidence=t)
   doc: dict[str, Any] = {"command": "python -m bench.tools.confidence_sweep "
                                     + " ".join(argv if argv is not None else sys.argv[1:]),
                          "thresholds": thresholds}
-  for rep in range(args.reps):
+  return compare(configs, chosen, ids, args.reps, args.out, doc)
+
+
+def compare(configs: dict[str, Callable[[list[int]], dict[str, Any]]],
+            chosen: Sequence[Any], ids: dict[str, list[int]], reps: int, out: pathlib.Path,
+            doc: dict[str, Any]) -> int:
+  """Runs configurations on each prompt in a rotated order, writes and prints the summary.
+
+  The first run of the first prompt compiles every configuration's programs
+  (untimed); then per repetition and prompt the configurations run in an
+  order rotated by both, so that host drift falls on all alike.
+
+  Args:
+    configs: name -> run of a prompt's ids (`_run`); "target" first, the
+      paired ratios' reference next.
+    chosen: the prompts (`bench.prompts.Prompt`).
+    ids: each prompt's token ids by name.
+    reps: repetitions.
+    out: the JSON written after every repetition.
+    doc: the document to fill ("records", "summary").
+
+  Returns:
+    0, or 1 where some ids differ from target-only's.
+  """
+  names = [name for name in configs if name != "target"]
+  for p in chosen[:1]:
+    for run in configs.values():
+      run(ids[p.name])
+  records: list[dict[str, Any]] = []
+  for rep in range(reps):
     for i, p in enumerate(chosen):
-      order = ["target"] + names
+      order = list(configs)
       shift = (rep + i) % len(order)
       order = order[shift:] + order[:shift]
       rec: dict[str, Any] = {"prompt": p.name, "kind": p.kind, "rep": rep, "order": order}
       for name in order:
-        if name == "target":
-          rec[name] = _run(bundle, ids[p.name], n, method="target")
-        else:
-          rec[name] = _run(bundle, ids[p.name], n, min_confidence=thresholds[names.index(name)])
+        rec[name] = configs[name](ids[p.name])
       records.append(rec)
       print(f"rep {rep} {p.name}: " + ", ".join(
-          f"{k} {rec[k]['tok_s']:.2f}" for k in ["target"] + names), flush=True)
+          f"{k} {rec[k]['tok_s']:.2f}" for k in configs), flush=True)
     doc.update(records=records, summary=summarize(records, names))
-    results.write(doc, args.out)
+    results.write(doc, out)
   for kind, per in doc["summary"].items():
     for name, s in per.items():
       print(f"{kind} {name}: x target {s['speedup_over_target']:.3f}, over {names[0]} "

@@ -26,7 +26,6 @@ from typing import Any, Optional, Sequence
 
 import jspec
 from bench import prompts as prompts_lib
-from bench import results
 from bench.tools import confidence_sweep
 from jspec import bundle as bundle_lib
 
@@ -77,36 +76,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   bundles = {"prompt_ids": bundle, "subset": without_prompt_ids(bundle)}
   ids = {p.name: prompts_lib.encode(p, bundle.tokenizer) for p in chosen}
   n = args.max_new_tokens
-  for p in chosen[:1]:  # compiles every program once
-    confidence_sweep._run(bundle, ids[p.name], n, method="target")  # pylint: disable=protected-access
-    for b in bundles.values():
-      confidence_sweep._run(b, ids[p.name], n)  # pylint: disable=protected-access
-  records: list[dict[str, Any]] = []
+  run = confidence_sweep._run  # pylint: disable=protected-access
+  configs = {"target": lambda x: run(bundle, x, n, method="target")}
+  for name in NAMES:
+    configs[name] = lambda x, b=bundles[name]: run(b, x, n)
   doc: dict[str, Any] = {"command": "python -m bench.tools.prompt_ids "
                                     + " ".join(argv if argv is not None else sys.argv[1:])}
-  for rep in range(args.reps):
-    for i, p in enumerate(chosen):
-      order = ["target"] + NAMES
-      shift = (rep + i) % len(order)
-      order = order[shift:] + order[:shift]
-      rec: dict[str, Any] = {"prompt": p.name, "kind": p.kind, "rep": rep, "order": order}
-      for name in order:
-        kw = {"method": "target"} if name == "target" else {}
-        rec[name] = confidence_sweep._run(bundles.get(name, bundle), ids[p.name], n, **kw)  # pylint: disable=protected-access
-      records.append(rec)
-      print(f"rep {rep} {p.name}: " + ", ".join(
-          f"{k} {rec[k]['tok_s']:.2f}/{rec[k]['acceptance'] or 1:.2f}" for k in ["target"] + NAMES),
-            flush=True)
-    doc.update(records=records, summary=confidence_sweep.summarize(records, NAMES))
-    results.write(doc, args.out)
-  for kind, per in doc["summary"].items():
-    for name, s in per.items():
-      print(f"{kind} {name}: x target {s['speedup_over_target']:.3f}, over {NAMES[0]} "
-            f"{s['over_first_paired']:.3f}, acceptance {s['acceptance']:.3f}, tokens/round "
-            f"{s['tokens_per_round']:.2f}, ids equal {s['ids_equal_target']}/{s['records']}")
-  equal = all(s["ids_equal_target"] == s["records"] for per in doc["summary"].values()
-              for s in per.values())
-  return 0 if equal else 1
+  return confidence_sweep.compare(configs, chosen, ids, args.reps, args.out, doc)
 
 
 if __name__ == "__main__":
