@@ -521,18 +521,67 @@ using SignedBytes = ffi::Buffer<ffi::S8, 2>;
 using Int8Panels = ffi::Buffer<ffi::S8, 4>;
 using Int32Matrix = ffi::Buffer<ffi::S32, 2>;
 
-// The int8 kernels' shared body: checks the shapes, then runs tiles[rows]
-// (a kernel's tiles by row count, up to kRowsT) over every row tile of every
-// panel. Each int8 panel is read whole per row tile: the draft's matrices
-// are a quarter of the f32 size and its steps have few rows. Given a
-// row_tile (`RowTileS8`), a single row goes over row_panels panels in step.
+// One int8 matrix of a product over the same x: its panels, and the first column of y it writes.
+struct I8Part {
+  const int8_t* w;
+  int64_t panels;
+  int64_t col;
+};
+
+// The int8 kernels' shared body: runs tiles[rows] (a kernel's tiles by row
+// count, up to kRowsT) over every row tile of every panel of every part, the
+// parts' panels one pool of work for the threads. Each int8 panel is read
+// whole per row tile: the draft's matrices are a quarter of the f32 size
+// and its steps have few rows. Given a row_tile (`RowTileS8`), a single row
+// goes over row_panels panels in step.
+template <typename XT, typename TileFnT, size_t kTableSize, typename RowTileFnT = std::nullptr_t>
+void RunInt8Parts(ffi::ThreadPool& pool, const XT* xp, int64_t m_size, int64_t k_size,
+                  const std::vector<I8Part>& parts, int64_t n_size, int32_t* yp,
+                  const std::array<TileFnT, kTableSize>& tiles, RowTileFnT row_tile = nullptr,
+                  int64_t row_panels = 1) {
+  constexpr int64_t kRowsT = kTableSize - 1;
+  const int64_t groups = k_size / 4, stride = groups * 4 * kPanel;
+  int64_t per_set = 1;
+  if constexpr (!std::is_same_v<RowTileFnT, std::nullptr_t>) {
+    if (m_size == 1) per_set = row_panels;
+  }
+  // Sets of per_set panels, part by part: part j's are [first[j], first[j + 1]).
+  std::vector<int64_t> first(parts.size() + 1, 0);
+  for (size_t j = 0; j < parts.size(); ++j) {
+    first[j + 1] = first[j] + (parts[j].panels + per_set - 1) / per_set;
+  }
+  ForEachPanel(pool, first.back(), [=](int64_t set) {
+    const size_t j = std::upper_bound(first.begin(), first.end(), set) - first.begin() - 1;
+    const I8Part& part = parts[j];
+    const int64_t p0 = (set - first[j]) * per_set;
+    if constexpr (!std::is_same_v<RowTileFnT, std::nullptr_t>) {
+      if (m_size == 1) {  // per_set panels in step (`RowTileS8`)
+        if (p0 + per_set <= part.panels) {
+          row_tile(xp, part.w + p0 * stride, stride, groups, yp + part.col + p0 * kPanel);
+          return;
+        }
+        for (int64_t p = p0; p < part.panels; ++p) {  // the last panels of an odd count
+          tiles[1](xp, k_size, part.w + p * stride, groups, yp + part.col + p * kPanel, n_size);
+        }
+        return;
+      }
+    }
+    const int8_t* panel = part.w + p0 * stride;
+    for (int64_t m0 = 0; m0 < m_size; m0 += kRowsT) {
+      const int64_t rows = std::min(kRowsT, m_size - m0);
+      tiles[rows](xp + m0 * k_size, k_size, panel, groups, yp + m0 * n_size + part.col + p0 * kPanel,
+                  n_size);
+    }
+  });
+}
+
+// One int8 matrix: checks the shapes, then `RunInt8Parts`.
 template <typename XBuffer, typename TileFnT, size_t kTableSize,
           typename RowTileFnT = std::nullptr_t>
 ffi::Error RunInt8(const char* name, ffi::ThreadPool& pool, XBuffer& x, Int8Panels& w,
                    ffi::Result<Int32Matrix>& y,
                    const std::array<TileFnT, kTableSize>& tiles,
                    RowTileFnT row_tile = nullptr, int64_t row_panels = 1) {
-  constexpr int64_t kRowsT = kTableSize - 1;
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto yd = y->dimensions();
@@ -541,33 +590,9 @@ ffi::Error RunInt8(const char* name, ffi::ThreadPool& pool, XBuffer& x, Int8Pane
     return ffi::Error::InvalidArgument(std::string(name) +
         ": expected x [M, K], w [N/32, K/4, 32, 4] and y [M, N]");
   }
-  const auto* xp = x.typed_data();
-  const int8_t* wp = w.typed_data();
-  int32_t* yp = y->typed_data();
-  const int64_t m_size = xd[0], k_size = xd[1], groups = wd[1], n_size = yd[1];
-  if constexpr (!std::is_same_v<RowTileFnT, std::nullptr_t>) {
-    if (m_size == 1) {  // row_panels panels in step (`RowTileS8`)
-      const int64_t stride = groups * 4 * kPanel;
-      ForEachPanel(pool, (wd[0] + row_panels - 1) / row_panels, [=](int64_t set) {
-        const int64_t p0 = set * row_panels;
-        if (p0 + row_panels <= wd[0]) {
-          row_tile(xp, wp + p0 * stride, stride, groups, yp + p0 * kPanel);
-          return;
-        }
-        for (int64_t p = p0; p < wd[0]; ++p) {  // the last panels of an odd count
-          tiles[1](xp, k_size, wp + p * stride, groups, yp + p * kPanel, n_size);
-        }
-      });
-      return ffi::Error::Success();
-    }
-  }
-  ForEachPanel(pool, wd[0], [=](int64_t p) {
-    const int8_t* panel = wp + p * groups * 4 * kPanel;
-    for (int64_t m0 = 0; m0 < m_size; m0 += kRowsT) {
-      const int64_t rows = std::min(kRowsT, m_size - m0);
-      tiles[rows](xp + m0 * k_size, k_size, panel, groups, yp + m0 * n_size + p * kPanel, n_size);
-    }
-  });
+  const std::vector<I8Part> parts = {{w.typed_data(), wd[0], 0}};
+  RunInt8Parts(pool, x.typed_data(), xd[0], xd[1], parts, yd[1], y->typed_data(), tiles, row_tile,
+               row_panels);
   return ffi::Error::Success();
 }
 
@@ -625,6 +650,78 @@ ffi::Error GemmS8Layer(ffi::ThreadPool pool, SignedBytes x, LayerIndex layer,
                                [&](Int8Panels w) { return GemmS8(pool, x, w, y); });
 }
 
+// jspec_gemm_i8_many, jspec_gemm_s8_many: several int8 matrices times the
+// same x in one call, as jspec_gemm_blk_many does for blocks:
+//
+//   (x [M, K], layer [] s32, panels...; parts, layers) -> y [M, N_0 + N_1 + ...] s32
+//
+// Part j's panels of every layer, part after part; layer picks each one's (1
+// layer outside the layer loop). y's columns are each part's, bit for bit
+// what its own call gives.
+template <typename XBuffer>
+ffi::Error Int8Parts(const std::string& name, XBuffer& x, LayerIndex& layer,
+                     ffi::RemainingArgs& weights, int64_t count, int64_t layers,
+                     ffi::Result<Int32Matrix>& y, std::vector<I8Part>& parts) {
+  const int64_t i = *layer.typed_data();
+  if (count < 1 || layers < 1 || static_cast<int64_t>(weights.size()) != count * layers || i < 0 ||
+      i >= layers) {
+    return ffi::Error::InvalidArgument(
+        name + ": expected " + std::to_string(count) + " parts of " + std::to_string(layers) +
+        " layers and a layer in [0, " + std::to_string(layers) + "), got " +
+        std::to_string(weights.size()) + " buffers and layer " + std::to_string(i));
+  }
+  const auto xd = x.dimensions();
+  const auto yd = y->dimensions();
+  int64_t col = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    auto w = weights.get<Int8Panels>(j * layers + i);
+    if (!w.has_value()) return w.error();
+    const auto wd = w->dimensions();
+    if (wd[2] != kPanel || wd[3] != 4 || 4 * wd[1] != xd[1]) {
+      return ffi::Error::InvalidArgument(name + ": part " + std::to_string(j) +
+                                         ": expected x [M, K] and w [N/32, K/4, 32, 4]");
+    }
+    parts.push_back({w->typed_data(), wd[0], col});
+    col += wd[0] * kPanel;
+  }
+  if (yd[0] != xd[0] || yd[1] != col) {
+    return ffi::Error::InvalidArgument(name + ": expected y [M, " + std::to_string(col) +
+                                       "], the parts' columns side by side");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GemmI8Many(ffi::ThreadPool pool, Bytes x, LayerIndex layer, ffi::RemainingArgs weights,
+                      ffi::Result<Int32Matrix> y, int64_t count, int64_t layers) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  std::vector<I8Part> parts;
+  ffi::Error err = Int8Parts("jspec_gemm_i8_many", x, layer, weights, count, layers, y, parts);
+  if (err.failure()) return err;
+  RunInt8Parts(pool, x.typed_data(), x.dimensions()[0], x.dimensions()[1], parts,
+               y->dimensions()[1], y->typed_data(), kTilesI8);
+  return ffi::Error::Success();
+#else
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "jspec_gemm_i8_many: built without AVX-512 VNNI");
+#endif
+}
+
+ffi::Error GemmS8Many(ffi::ThreadPool pool, SignedBytes x, LayerIndex layer,
+                      ffi::RemainingArgs weights, ffi::Result<Int32Matrix> y, int64_t count,
+                      int64_t layers) {
+#if defined(__AVX2__)
+  std::vector<I8Part> parts;
+  ffi::Error err = Int8Parts("jspec_gemm_s8_many", x, layer, weights, count, layers, y, parts);
+  if (err.failure()) return err;
+  RunInt8Parts(pool, x.typed_data(), x.dimensions()[0], x.dimensions()[1], parts,
+               y->dimensions()[1], y->typed_data(), kTilesS8, RowTileS8<kRowPanelsS8>,
+               kRowPanelsS8);
+  return ffi::Error::Success();
+#else
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "jspec_gemm_s8_many: built without AVX2");
+#endif
+}
+
 }  // namespace
 
 // 1 when jspec_gemm_i8 was built (the host has AVX-512 VNNI), else 0.
@@ -660,6 +757,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmF32S8, GemmF32S8,
                                   .Arg<Matrix>()
                                   .Arg<S8Panels>()
                                   .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmI8Many, GemmI8Many,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Bytes>()
+                                  .Arg<LayerIndex>()
+                                  .RemainingArgs()
+                                  .Ret<Int32Matrix>()
+                                  .Attr<int64_t>("parts")
+                                  .Attr<int64_t>("layers"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmS8Many, GemmS8Many,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<SignedBytes>()
+                                  .Arg<LayerIndex>()
+                                  .RemainingArgs()
+                                  .Ret<Int32Matrix>()
+                                  .Attr<int64_t>("parts")
+                                  .Attr<int64_t>("layers"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmF32Layer, GemmF32Layer,
                               ffi::Ffi::Bind()
@@ -902,16 +1019,30 @@ constexpr std::array<BlkTileFn<Q>, sizeof...(R) + 1> MakeBlkTiles(
   return {nullptr, BlkTile<Q, R + 1, kBlkVecs, B, OFF, NP>...};
 }
 
+// One matrix of a block product: its panels, and the first column of y it writes.
+template <typename Q>
+struct BlkPart {
+  const Q* q;
+  const float* s;
+  const float* o;  // nullptr without offsets
+  int64_t panels;
+  int64_t col;
+};
+
+// y[:, part.col + 0:32 part.panels] = x @ W_part for each part, all of them
+// one product over the same x: x is packed once, and the parts' panels are
+// one pool of work for the threads, so the call pays one start and one
+// uneven finish for all of them. Each column's sums are a one-part call's.
 template <typename Q, int B, bool OFF>
-void RunBlk(ffi::ThreadPool& pool, const float* xp, const Q* qp, const float* sp,
-            const float* op, int64_t m_size, int64_t k_size, int64_t panels, float* yp) {
+void RunBlk(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart<Q>>& parts,
+            int64_t m_size, int64_t k_size, int64_t n_size, float* yp) {
   using TileFn = BlkTileFn<Q>;
   static constexpr auto tiles =
       MakeBlkTiles<Q, B, OFF, 1>(std::make_integer_sequence<int, kBlkRows>{});
   static constexpr auto step_tiles =
       MakeBlkTiles<Q, B, OFF, kBlkStepPanels>(std::make_integer_sequence<int, kBlkStepRows>{});
   static constexpr TileFn row_tile = BlkTile<Q, 1, kBlkVecs, B, OFF, kBlkRowPanels>;
-  const int64_t blocks = k_size / B, n_size = panels * kPanel;
+  const int64_t blocks = k_size / B;
   const int64_t q_stride = k_size / 2 * kPairBytes<Q>, so_stride = blocks * kPanel;
   // x packed per row tile: tile t (rows m0 .. m0 + r) as [K, r], then its
   // block sums [K/B, r] (for the offsets).
@@ -936,16 +1067,23 @@ void RunBlk(ffi::ThreadPool& pool, const float* xp, const Q* qp, const float* sp
   const int64_t np = m_size == 1 ? kBlkRowPanels : m_size <= kBlkStepRows ? kBlkStepPanels : 1;
   const TileFn step = m_size == 1 ? row_tile : m_size <= kBlkStepRows ? step_tiles[m_size]
                                                                      : nullptr;
-  ForEachPanel(pool, (panels + np - 1) / np, [=](int64_t set) {
-    const int64_t p0 = set * np;
+  // Sets of np panels, part by part: part j's are [first[j], first[j + 1]).
+  std::vector<int64_t> first(parts.size() + 1, 0);
+  for (size_t j = 0; j < parts.size(); ++j) {
+    first[j + 1] = first[j] + (parts[j].panels + np - 1) / np;
+  }
+  ForEachPanel(pool, first.back(), [=](int64_t set) {
+    const size_t j = std::upper_bound(first.begin(), first.end(), set) - first.begin() - 1;
+    const BlkPart<Q>& part = parts[j];
+    const int64_t panels = part.panels, p0 = (set - first[j]) * np;
     for (int64_t t = 0; t < tiles_m; ++t) {
       const int64_t m0 = t * kBlkRows, r = std::min(kBlkRows, m_size - m0);
       const float* xt = xpk + m0 * (k_size + blocks);
       for (int64_t c = 0; c < kPanel; c += kBlkVecs * kLanes) {
         auto run = [&](TileFn tile, int64_t p) {
-          tile(xt, xt + r * k_size, qp + p * q_stride + c, q_stride, sp + p * so_stride + c,
-               OFF ? op + p * so_stride + c : nullptr, so_stride, blocks,
-               yp + m0 * n_size + p * kPanel + c, n_size);
+          tile(xt, xt + r * k_size, part.q + p * q_stride + c, q_stride,
+               part.s + p * so_stride + c, OFF ? part.o + p * so_stride + c : nullptr,
+               so_stride, blocks, yp + m0 * n_size + part.col + p * kPanel + c, n_size);
         };
         if (np > 1 && p0 + np <= panels) {
           run(step, p0);
@@ -955,6 +1093,16 @@ void RunBlk(ffi::ThreadPool& pool, const float* xp, const Q* qp, const float* sp
       }
     }
   });
+}
+
+// RunBlk for a block size and offsets known only at run time.
+template <typename Q>
+void RunBlkParts(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart<Q>>& parts,
+                 int64_t m_size, int64_t k_size, int64_t b, bool offsets, float* yp) {
+  const int64_t n_size = parts.back().col + parts.back().panels * kPanel;
+  auto run = offsets ? (b == 16 ? RunBlk<Q, 16, true> : RunBlk<Q, 32, true>)
+                     : (b == 16 ? RunBlk<Q, 16, false> : RunBlk<Q, 32, false>);
+  run(pool, xp, parts, m_size, k_size, n_size, yp);
 }
 
 // q panels of nibbles: two q in [0, 15] to a byte.
@@ -986,11 +1134,10 @@ ffi::Error GemmBlkAny(const char* name, ffi::ThreadPool& pool, Matrix& x, QPanel
         (o != nullptr ? " and o" : "") + " [N/32, K/B, 32] f32 with B 16 or 32, y [M, N]");
   }
   const float* op = o != nullptr ? o->typed_data() : nullptr;
-  const int64_t b = xd[1] / blocks;
-  auto run = o != nullptr ? (b == 16 ? RunBlk<Q, 16, true> : RunBlk<Q, 32, true>)
-                          : (b == 16 ? RunBlk<Q, 16, false> : RunBlk<Q, 32, false>);
-  run(pool, x.typed_data(), reinterpret_cast<const Q*>(q.typed_data()), s.typed_data(), op,
-      xd[0], xd[1], qd[0], y->typed_data());
+  const std::vector<BlkPart<Q>> parts = {
+      {reinterpret_cast<const Q*>(q.typed_data()), s.typed_data(), op, qd[0], 0}};
+  RunBlkParts(pool, x.typed_data(), parts, xd[0], xd[1], xd[1] / blocks, o != nullptr,
+              y->typed_data());
   return ffi::Error::Success();
 }
 
@@ -1056,7 +1203,97 @@ ffi::Error GemmBlk4SymLayer(ffi::ThreadPool pool, Matrix x, LayerIndex layer,
   return GemmBlkLayerAny<U4Panels, 2>("jspec_gemm_blk4_sym_layer", pool, x, layer, weights, y);
 }
 
+// jspec_gemm_blk_many: several block matrices of one form (q a byte each or
+// nibbles, one B, offsets or none) times the same x, in one call:
+//
+//   jspec_gemm_blk_many(x [M, K] f32, layer [] s32, buffers...;
+//                       parts, layers, nibbles, offsets) -> y [M, N_0 + N_1 + ...]
+//
+// Part j's buffers are its q of every layer, then its s of every layer (then
+// its o), part after part; layer picks each one's (1 layer outside the layer
+// loop, where it is 0). Why: the projections that read the same activations
+// (the MLP's gate and up, attention's q and k) each paid a call's start and
+// its threads' uneven finish; y's columns are each part's, bit for bit what
+// its own call gives.
+template <typename QPanels>
+ffi::Error GemmBlkManyAny(ffi::ThreadPool& pool, Matrix& x, int64_t i,
+                          ffi::RemainingArgs& weights, int64_t count, int64_t layers,
+                          bool offsets, ffi::Result<Matrix>& y) {
+  constexpr bool kNibbles = std::is_same<QPanels, U4Panels>::value;
+  using Q = std::conditional_t<kNibbles, uint8_t, int8_t>;
+  const std::string name = "jspec_gemm_blk_many";
+  const int64_t per = offsets ? 3 : 2;
+  if (count < 1 || layers < 1 || static_cast<int64_t>(weights.size()) != count * per * layers ||
+      i < 0 || i >= layers) {
+    return ffi::Error::InvalidArgument(
+        name + ": expected " + std::to_string(per) + " buffers per layer for " +
+        std::to_string(count) + " parts of " + std::to_string(layers) + " layers and a layer in [0, " +
+        std::to_string(layers) + "), got " + std::to_string(weights.size()) + " buffers and layer " +
+        std::to_string(i));
+  }
+  const auto xd = x.dimensions();
+  const auto yd = y->dimensions();
+  std::vector<BlkPart<Q>> parts;
+  int64_t col = 0, b = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t base = j * per * layers;
+    auto q = weights.get<QPanels>(base + i);
+    if (!q.has_value()) return q.error();
+    auto s = weights.get<Panels>(base + layers + i);
+    if (!s.has_value()) return s.error();
+    const auto qd = q->dimensions();
+    const auto sd = s->dimensions();
+    const int64_t blocks = sd[1];
+    bool ok = (kNibbles ? qd[1] * 2 == xd[1] : qd[1] == xd[1]) && qd[2] == kPanel &&
+              sd[0] == qd[0] && sd[2] == kPanel && blocks > 0 && xd[1] % blocks == 0 &&
+              (xd[1] / blocks == 16 || xd[1] / blocks == 32) && (j == 0 || xd[1] / blocks == b);
+    const float* op = nullptr;
+    if (offsets) {
+      auto o = weights.get<Panels>(base + 2 * layers + i);
+      if (!o.has_value()) return o.error();
+      const auto od = o->dimensions();
+      ok = ok && od[0] == sd[0] && od[1] == sd[1] && od[2] == sd[2];
+      op = o->typed_data();
+    }
+    if (!ok) {
+      return ffi::Error::InvalidArgument(
+          name + ": part " + std::to_string(j) + ": expected x [M, K] f32, q " +
+          (kNibbles ? "[N/32, K/2, 32] u8" : "[N/32, K, 32] s8") + ", s" + (offsets ? " and o" : "") +
+          " [N/32, K/B, 32] f32 with B 16 or 32, the same B in every part");
+    }
+    b = xd[1] / blocks;
+    parts.push_back({reinterpret_cast<const Q*>(q->typed_data()), s->typed_data(), op, qd[0], col});
+    col += qd[0] * kPanel;
+  }
+  if (yd[0] != xd[0] || yd[1] != col) {
+    return ffi::Error::InvalidArgument(name + ": expected y [M, " + std::to_string(col) +
+                                       "], the parts' columns side by side");
+  }
+  RunBlkParts(pool, x.typed_data(), parts, xd[0], xd[1], b, offsets, y->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error GemmBlkMany(ffi::ThreadPool pool, Matrix x, LayerIndex layer, ffi::RemainingArgs weights,
+                       ffi::Result<Matrix> y, int64_t parts, int64_t layers, bool nibbles,
+                       bool offsets) {
+  const int64_t i = *layer.typed_data();
+  return nibbles ? GemmBlkManyAny<U4Panels>(pool, x, i, weights, parts, layers, offsets, y)
+                 : GemmBlkManyAny<S8Panels>(pool, x, i, weights, parts, layers, offsets, y);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlkMany, GemmBlkMany,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<LayerIndex>()
+                                  .RemainingArgs()
+                                  .Ret<Matrix>()
+                                  .Attr<int64_t>("parts")
+                                  .Attr<int64_t>("layers")
+                                  .Attr<bool>("nibbles")
+                                  .Attr<bool>("offsets"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlk, GemmBlk,
                               ffi::Ffi::Bind()

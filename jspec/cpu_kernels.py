@@ -54,6 +54,9 @@ TARGET_BLK_SYM = "jspec_gemm_blk_sym"  # the same without offsets
 TARGET_BLK4 = "jspec_gemm_blk4"  # the same with q in [0, 15] stored two per byte
 TARGET_BLK4_SYM = "jspec_gemm_blk4_sym"
 TARGET_BF16 = "jspec_gemm_bf16"  # f32 x bf16 panels widened exactly (`matmul_bf16`)
+TARGET_BLK_MANY = "jspec_gemm_blk_many"  # several block matrices, one x (`matmul_blocks_many`)
+TARGET_INT8_MANY = "jspec_gemm_i8_many"  # several int8 matrices, one x (`matmul_int8_many`)
+TARGET_S8_MANY = "jspec_gemm_s8_many"
 # The same products with the weight picked from one buffer per layer (`LayerPick`).
 LAYER_TARGETS = {t: t + "_layer" for t in (TARGET, TARGET_INT8, TARGET_S8, TARGET_BLK,
                                            TARGET_BLK_SYM, TARGET_BLK4, TARGET_BLK4_SYM,
@@ -61,7 +64,8 @@ LAYER_TARGETS = {t: t + "_layer" for t in (TARGET, TARGET_INT8, TARGET_S8, TARGE
 TARGET_ATTEND = "jspec_attend_f32"  # decode attention over the cache (`jspec.cpu_attention`)
 TARGET_F32S8 = "jspec_gemm_f32s8"  # f32 x s8 -> f32, the greedy head's estimate (`jspec.greedy_head`)
 TARGETS = (TARGET, TARGET_INT8, TARGET_S8, *LAYER_TARGETS.values(), TARGET_ATTEND, TARGET_F32S8,
-           TARGET_BLK, TARGET_BLK_SYM, TARGET_BLK4, TARGET_BLK4_SYM, TARGET_BF16)
+           TARGET_BLK, TARGET_BLK_SYM, TARGET_BLK4, TARGET_BLK4_SYM, TARGET_BF16, TARGET_BLK_MANY,
+           TARGET_INT8_MANY, TARGET_S8_MANY)
 SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
 # The attention kernel, built into the same library; both sources include the
 # thread helpers of HEADERS.
@@ -75,7 +79,8 @@ _SYMBOLS = {TARGET: "JspecGemmF32", TARGET_INT8: "JspecGemmI8", TARGET_S8: "Jspe
             LAYER_TARGETS[TARGET_BLK_SYM]: "JspecGemmBlkSymLayer", TARGET_BLK4: "JspecGemmBlk4",
             TARGET_BLK4_SYM: "JspecGemmBlk4Sym", LAYER_TARGETS[TARGET_BLK4]: "JspecGemmBlk4Layer",
             LAYER_TARGETS[TARGET_BLK4_SYM]: "JspecGemmBlk4SymLayer", TARGET_BF16: "JspecGemmBf16",
-            LAYER_TARGETS[TARGET_BF16]: "JspecGemmBf16Layer"}
+            LAYER_TARGETS[TARGET_BF16]: "JspecGemmBf16Layer", TARGET_BLK_MANY: "JspecGemmBlkMany",
+            TARGET_INT8_MANY: "JspecGemmI8Many", TARGET_S8_MANY: "JspecGemmS8Many"}
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
 # How long the compiler may run before jspec gives up on the kernels for
 # this process and uses XLA's dot. On the 2-core host the build took 19 s
@@ -342,6 +347,52 @@ def matmul_int8(xq: jax.Array, panels: jax.Array, sums: jax.Array) -> jax.Array:
     panels = panels.value()
   q = unpack_int8(panels, k)  # [N, K]
   return jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+
+
+def matmul_int8_many(xq: jax.Array, parts) -> list[jax.Array]:
+  """xq @ q_j.T for several int8 matrices over the same xq, in one kernel call.
+
+  As `matmul_blocks_many` for the int8 kernels: each output is
+  `matmul_int8(xq, *part)`'s, exactly. Without an int8 kernel, or where the
+  parts are not all arrays or all `LayerPick`s of one layer count, each
+  part is its own product.
+
+  Args:
+    xq: [M, K] int8 activations.
+    parts: (panels, sums) per matrix, as `matmul_int8` takes them.
+
+  Returns:
+    [M, N_j] int32 per part, in order.
+  """
+  m, k = xq.shape
+  kind = int8_kind() if jax.default_backend() == "cpu" else None
+  counts = {len(panels.weights) if isinstance(panels, LayerPick) else 0 for panels, _ in parts}
+  groups = {panels.shape[1] for panels, _ in parts}
+  if len(parts) < 2 or kind is None or len(counts) != 1 or len(groups) != 1:
+    return [matmul_int8(xq, *part) for part in parts]
+  layers = counts.pop()
+  widths = [panels.shape[0] * panels.shape[2] for panels, _ in parts]
+  buffers, index = [], jnp.zeros((), jnp.int32)
+  for panels, _ in parts:
+    if layers:
+      buffers.extend(panels.weights)
+      index = panels.index.astype(jnp.int32)
+    else:
+      buffers.append(panels)
+  pad = ((0, 0), (0, groups.pop() * GROUP - k))  # zeros meet zero weights
+  out_type = jax.ShapeDtypeStruct((m, sum(widths)), jnp.int32)
+  if kind == "vnni":
+    x_in, target = jnp.pad((xq.astype(jnp.int32) + 128).astype(jnp.uint8), pad), TARGET_INT8_MANY
+  else:
+    x_in, target = jnp.pad(xq, pad), TARGET_S8_MANY
+  acc = jax.ffi.ffi_call(target, out_type)(x_in, index, *buffers, parts=len(parts),
+                                           layers=max(layers, 1))
+  outs, start = [], 0
+  for (_, sums), n in zip(parts, widths):
+    part = acc[:, start:start + n]
+    outs.append(part - 128 * sums[None, :] if kind == "vnni" else part)
+    start += n
+  return outs
 
 
 def matmul_f32s8(x: jax.Array, qpanels: jax.Array) -> jax.Array:
@@ -683,6 +734,62 @@ def matmul_blocks(x: jax.Array, qpanels, spanels, opanels=None) -> jax.Array:
     w = widen_blocks(qpanels, spanels, opanels)
     y = jnp.einsum("mk,pkw->mpw", rows.astype(jnp.float32), w).reshape(rows.shape[0], p * width)
   return y.reshape(*lead, p * width)
+
+
+def blocks_form(qpanels, spanels, opanels=None) -> tuple:
+  """What one `jspec_gemm_blk_many` call needs its matrices to share: (K, B, nibbles, offsets, layers).
+
+  layers is the `LayerPick`'s count, 0 for an array.
+  """
+  k = block_inputs(qpanels)
+  layers = len(qpanels.weights) if isinstance(qpanels, LayerPick) else 0
+  return (k, k // spanels.shape[1], is_nibbles(qpanels), opanels is not None, layers)
+
+
+def matmul_blocks_many(x: jax.Array, parts) -> list[jax.Array]:
+  """x @ W_j for several block matrices of one form, in one kernel call.
+
+  The matrices that read the same activations (the MLP's gate and up,
+  attention's q and k) would each pay a call's start and its threads'
+  uneven finish; one call over all their panels pays those once. Each
+  output is `matmul_blocks(x, *part)`'s bit for bit (the same tiles over
+  the same panels). Where the kernel would not run (see `matmul_blocks`),
+  or the parts differ in `blocks_form`, each part is its own product.
+
+  Args:
+    x: [..., K] float32 activations.
+    parts: (qpanels, spanels, opanels or None) per matrix, as `matmul_blocks` takes them.
+
+  Returns:
+    [..., N_j] float32 per part, in order.
+  """
+  parts = [tuple(part) + (None,) * (3 - len(part)) for part in parts]
+  forms = {blocks_form(*part) for part in parts}
+  lead, k = x.shape[:-1], x.shape[-1]
+  if not (len(parts) > 1 and len(forms) == 1 and x.dtype == jnp.float32 and available()
+          and jax.default_backend() == "cpu"):
+    return [matmul_blocks(x, *part) for part in parts]
+  k_form, b, nibbles, offsets, layers = forms.pop()
+  if k_form != k:
+    raise ValueError(f"matmul_blocks_many: x has {k} inputs, the q panels hold {k_form}")
+  if b not in BLOCK_SIZES:
+    return [matmul_blocks(x, *part) for part in parts]
+  rows = x.reshape(-1, k)  # [M, K]
+  widths = [part[0].shape[0] * part[0].shape[2] for part in parts]
+  buffers, index = [], jnp.zeros((), jnp.int32)
+  for part in parts:
+    for w in part[:3 if offsets else 2]:
+      if layers:
+        buffers.extend(w.weights)
+        index = w.index.astype(jnp.int32)
+      else:
+        buffers.append(w)
+  out_type = jax.ShapeDtypeStruct((rows.shape[0], sum(widths)), jnp.float32)
+  y = jax.ffi.ffi_call(TARGET_BLK_MANY, out_type)(
+      rows, index, *buffers, parts=len(parts), layers=max(layers, 1), nibbles=nibbles,
+      offsets=offsets)
+  starts = [sum(widths[:j]) for j in range(len(parts))]
+  return [y[:, s:s + n].reshape(*lead, n) for s, n in zip(starts, widths)]
 
 
 def matmul_bf16(x: jax.Array, panels) -> jax.Array:

@@ -43,6 +43,26 @@ class Linear(nnx.Module):
     return y
 
 
+def project(x: jax.Array, linears: list[Linear]) -> list[jax.Array]:
+  """Each of `linears` applied to the same x, their matrices multiplied together where they can be.
+
+  `weights.dot_many` puts matrices of one stored form in one kernel call;
+  each output is the `Linear`'s own bit for bit. A subclass (`LowRankLinear`)
+  adds its own terms, so it runs alone.
+
+  Args:
+    x: [..., I] activations.
+    linears: `Linear`s of I inputs.
+
+  Returns:
+    [..., O_j] per `Linear`, in order.
+  """
+  if any(type(linear) is not Linear for linear in linears):
+    return [linear(x) for linear in linears]
+  ys = weights.dot_many(x, [linear.w.get_value() for linear in linears])
+  return [y if linear.b is None else y + linear.b[...] for linear, y in zip(linears, ys)]
+
+
 class RMSNorm(nnx.Module):
   """Root-mean-square norm, computed in float32 like the reference."""
 
@@ -124,9 +144,10 @@ class Attention(nnx.Module):
     cfg = self.cfg
     b, t, _ = x.shape
     n, k, q_per_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.queries_per_kv, cfg.head_dim
-    q = self.q(x).reshape(b, t, n, h)
-    new_k = self.k(x).reshape(b, t, k, h)
-    new_v = self.v(x).reshape(b, t, k, h)
+    q, new_k, new_v = project(x, [self.q, self.k, self.v])
+    q = q.reshape(b, t, n, h)
+    new_k = new_k.reshape(b, t, k, h)
+    new_v = new_v.reshape(b, t, k, h)
     q = model.rope(q, positions, cfg.rope_theta)
     new_k = model.rope(new_k, positions, cfg.rope_theta)
     if placement is not None:  # each device keeps its own heads (its KV cache slice) end to end
@@ -169,7 +190,8 @@ class MLP(nnx.Module):
     self.down = Linear(init.dense(f, d))
 
   def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, D]
-    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))  # hidden [B, T, F]
+    gate, up = project(x, [self.gate, self.up])  # [B, T, F]
+    return self.down(jax.nn.silu(gate) * up)
 
 
 class DecoderBlock(nnx.Module):

@@ -186,6 +186,46 @@ def dot(x: jax.Array, w: Leaf, out_dtype=None) -> jax.Array:
   raise TypeError(f"not a weight leaf: {type(w).__name__}")
 
 
+def dot_many(x: jax.Array, ws: Sequence[Leaf]) -> list[jax.Array]:
+  """x @ W for several matrices over the same x: `dot` of each, kernel leaves of one form in one call.
+
+  Projections that read the same activations (attention's q, k and v, the
+  MLP's gate and up) pay one kernel call's start and uneven finish between
+  them instead of one each (`cpu_kernels.matmul_blocks_many`, `Blocks` of
+  one `blocks_form`; `cpu_kernels.matmul_int8_many`, `Int8Panels` of one
+  width, with x quantized once); each output is `dot`'s bit for bit.
+
+  Args:
+    x: [..., I] activations.
+    ws: weight leaves of logical shape [I, O_j].
+
+  Returns:
+    [..., O_j] per leaf, in order, as `dot` returns it.
+  """
+  out: list = [None] * len(ws)
+  groups: dict = {}
+  for j, w in enumerate(ws):
+    if isinstance(w, Blocks):
+      groups.setdefault(("blocks",) + cpu_kernels.blocks_form(w.q, w.scale, w.offset), []).append(j)
+    elif isinstance(w, Int8Panels):
+      groups.setdefault(("int8", w.inputs), []).append(j)
+    else:
+      out[j] = dot(x, w)
+  for (kind, *_), members in groups.items():
+    if kind == "blocks":
+      ys = cpu_kernels.matmul_blocks_many(
+          x.astype(jnp.float32), [(ws[j].q, ws[j].scale, ws[j].offset) for j in members])
+    else:  # x quantized once for all of them, as `_dot_int8` quantizes it for each
+      lead = x.shape[:-1]
+      xq, x_scale = _quantize_rows_of(x.reshape(-1, x.shape[-1]).astype(jnp.float32))
+      accs = cpu_kernels.matmul_int8_many(xq, [(ws[j].panels, ws[j].sums) for j in members])
+      ys = [(acc.astype(jnp.float32) * x_scale * ws[j].scale[None, :]).reshape(*lead, -1)
+            for j, acc in zip(members, accs)]
+    for j, y in zip(members, ys):
+      out[j] = y
+  return out
+
+
 def lookup(w: Leaf, ids: jax.Array) -> jax.Array:
   """Rows of W.T: the token embedding of `ids` when W is a token table's head.
 
@@ -222,6 +262,13 @@ def lookup(w: Leaf, ids: jax.Array) -> jax.Array:
   raise TypeError(f"a {type(w).__name__} weight cannot be read by rows")
 
 
+def _quantize_rows_of(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """[M, I] float32 -> (xq [M, I] int8, x_scale [M, 1]): symmetric, per row."""
+  amax = jnp.max(jnp.abs(rows), axis=1, keepdims=True)  # [M, 1]
+  x_scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+  return jnp.clip(jnp.round(rows / x_scale), -127, 127).astype(jnp.int8), x_scale
+
+
 def _dot_int8(x: jax.Array, w: Union[Int8, Int8Panels]) -> jax.Array:
   """x @ W for int8 W with x quantized per row (symmetric): [..., I] -> [..., O] float32."""
   lead, i = x.shape[:-1], x.shape[-1]
@@ -230,9 +277,7 @@ def _dot_int8(x: jax.Array, w: Union[Int8, Int8Panels]) -> jax.Array:
   packed = isinstance(w, Int8Panels)
   if m == 1 and not packed:  # XLA CPU's int8 dot runs 10-20x slower for one row than for two
     rows = jnp.concatenate([rows, rows], axis=0)
-  amax = jnp.max(jnp.abs(rows), axis=1, keepdims=True)  # [M, 1]
-  x_scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-  xq = jnp.clip(jnp.round(rows / x_scale), -127, 127).astype(jnp.int8)
+  xq, x_scale = _quantize_rows_of(rows)
   if packed:
     acc = cpu_kernels.matmul_int8(xq, w.panels, w.sums)  # [M, O] int32
   else:

@@ -614,9 +614,9 @@ def test_confidence_sweep_summary_pairs_each_threshold_with_its_own_repetition()
 def test_fuse_gate_up_gives_the_separate_calls_numbers():
   from bench.tools import fuse_gate_up
   got = fuse_gate_up.measure(layers=2, d=64, f=96, reps=2)
-  assert got["max_abs_diff"] == 0.0  # one call over [gate | up] sums as the two calls do
-  assert got["weight_bytes"] > 0 and got["separate_ms"] > 0 and got["fused_ms"] > 0
-  assert got["fused_over_separate"] > 0
+  assert got["max_abs_diff"] == 0.0  # one call over [gate | up], or over both, sums as two do
+  assert got["weight_bytes"] > 0 and min(got[f"{n}_ms"] for n in ("separate", "fused", "many")) > 0
+  assert got["fused_over_separate"] > 0 and got["many_over_separate"] > 0
 
 
 def test_compare_rotates_configurations_and_flags_unequal_ids(tmp_path, capsys):

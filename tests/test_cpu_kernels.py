@@ -238,3 +238,52 @@ def test_layer_variants_pick_the_indexed_layers_weight():
   for i in range(3):
     np.testing.assert_array_equal(np.asarray(pick8(xq, jnp.int32(i), tables[i][1], *panels)),
                                   np.asarray(jax.jit(cpu_kernels.matmul_int8)(xq, *tables[i])))
+
+
+@pytest.mark.parametrize("kind", ["vnni", "avx2"])
+@pytest.mark.parametrize("m", [1, 2, 13])
+def test_int8_matrices_in_one_call_are_each_ones_own(kind, m, monkeypatch):
+  # Three matrices of 7, 3 and 1 panels (AVX2's row takes two in step, so
+  # some are left over) and three layers with their own numbers; K = 37 is
+  # padded inside. Every output must be that layer's own matrix's product,
+  # exactly, and the program must hold one call for all three.
+  if kind not in cpu_kernels.int8_kinds():
+    pytest.skip(f"no {kind} int8 kernel on this host")
+  monkeypatch.setattr(cpu_kernels, "int8_kind", lambda: kind)
+  k, widths = 37, (224, 96, 32)
+  layers = [[cpu_kernels.pack_int8(jnp.asarray(_int8((n, k), 10 * i + n))) for n in widths]
+            for i in range(3)]
+  xq = jnp.asarray(_int8((m, k), m))
+
+  def run(i, xq):  # the sums picked as `weights.pick` picks them
+    return cpu_kernels.matmul_int8_many(xq, [
+        (cpu_kernels.LayerPick(tuple(layer[j][0] for layer in layers), i),
+         jnp.stack([layer[j][1] for layer in layers])[i]) for j in range(len(widths))])
+
+  target = {"vnni": cpu_kernels.TARGET_INT8_MANY, "avx2": cpu_kernels.TARGET_S8_MANY}[kind]
+  text = jax.jit(run).lower(jnp.int32(0), xq).as_text()
+  assert text.count(f"@{target}(") == 1 and text.count("custom_call") == 1
+  def exact(panels):  # the int64 product with this matrix
+    q = np.asarray(cpu_kernels.unpack_int8(panels, k))
+    return np.asarray(xq, np.int64) @ q.astype(np.int64).T
+
+  for i, layer in enumerate(layers):
+    got = jax.jit(run)(jnp.int32(i), xq)
+    for j, (panels, _) in enumerate(layer):
+      assert got[j].shape == (m, widths[j])
+      np.testing.assert_array_equal(np.asarray(got[j]), exact(panels))
+  for (panels, _), y in zip(layers[2], cpu_kernels.matmul_int8_many(xq, layers[2])):  # arrays
+    np.testing.assert_array_equal(np.asarray(y), exact(panels))
+
+
+def test_dot_many_quantizes_x_once_for_int8_panels_and_matches_dot():
+  if cpu_kernels.int8_kind() is None:
+    pytest.skip("no int8 kernel on this host")
+  from jspec import weights
+  ws = [weights.to_int8(weights.Dense(jnp.asarray(_random((64, n), n))), panels=True)
+        for n in (96, 32, 64)]
+  x = jnp.asarray(_random((2, 3, 64), 5))
+  for y, w in zip(weights.dot_many(x, ws), ws):
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(weights.dot(x, w)))
+  text = jax.jit(lambda x: weights.dot_many(x, ws)).lower(x).as_text()
+  assert text.count("custom_call") == 1

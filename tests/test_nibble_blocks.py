@@ -227,3 +227,78 @@ def test_a_nibble_target_is_the_int8_target_bit_for_bit(q6_down_layer, tmp_path)
     assert a.q.dtype == b.q.dtype and a.q.shape == b.q.shape
     np.testing.assert_array_equal(np.asarray(a.q), np.asarray(b.q))
   np.testing.assert_array_equal(_bits(run(back)), _bits(run(nib.target)))
+
+
+def _many_calls(fn, *args) -> dict:
+  """How many calls of each block-kernel target the compiled program holds."""
+  text = jax.jit(fn).lower(*args).as_text()
+  return {t: text.count(f"@{t}(") for t in (cpu_kernels.TARGET_BLK_MANY, cpu_kernels.TARGET_BLK4,
+                                           cpu_kernels.TARGET_BLK, cpu_kernels.TARGET_BLK_SYM,
+                                           cpu_kernels.TARGET_BLK4_SYM)}
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 9, 17])
+@pytest.mark.parametrize("nibbles,offsets,b", [(True, True, 32), (False, False, 16),
+                                                (False, True, 32), (True, False, 16)])
+def test_many_matrices_in_one_call_are_each_ones_own_bit_for_bit(m, nibbles, offsets, b):
+  # Three matrices of 7, 3 and 1 panels (four, two in step leave some over),
+  # three layers each with their own numbers: every output must be that
+  # layer's own matrix's call, in its own columns.
+  k, widths = 4 * b, (224, 96, 32)
+  layers = [[_pack(*_blocks(n, k, b, offsets, seed=100 * i + n), nibbles) for n in widths]
+            for i in range(3)]
+  x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)).astype(np.float32))
+  parts = 3 if offsets else 2
+
+  def run(index, x):
+    picks = [tuple(cpu_kernels.LayerPick(tuple(layer[j][part] for layer in layers), index)
+                   for part in range(parts)) for j in range(len(widths))]
+    return cpu_kernels.matmul_blocks_many(x, picks)
+
+  calls = _many_calls(run, jnp.int32(0), x)
+  assert calls[cpu_kernels.TARGET_BLK_MANY] == 1 and sum(calls.values()) == 1
+  for i, layer in enumerate(layers):
+    ys = jax.jit(run)(jnp.int32(i), x)
+    assert [y.shape for y in ys] == [(m, n) for n in widths]
+    for y, own in zip(ys, layer):
+      np.testing.assert_array_equal(_bits(y), _bits(cpu_kernels.matmul_blocks(x, *own)))
+  # the same outside the layer loop: arrays, not picks
+  ys = cpu_kernels.matmul_blocks_many(x[None], layers[1])  # [1, M, K]: leading axes kept
+  for y, own in zip(ys, layers[1]):
+    np.testing.assert_array_equal(_bits(y[0]), _bits(cpu_kernels.matmul_blocks(x, *own)))
+
+
+@needs_kernels
+def test_dot_many_groups_leaves_by_form_and_keeps_their_order():
+  k = 96
+  four = lambda seed: weights.Blocks(*_pack(*_blocks(64, k, 32, True, seed), True))
+  eight = lambda seed: weights.Blocks(*_pack(*_blocks(32, k, 16, False, seed), False))
+  dense = weights.Dense(jnp.asarray(np.random.default_rng(3).standard_normal((k, 40)),
+                                    jnp.float32))
+  ws = [four(1), eight(2), dense, four(3), eight(4), four(5)]
+  x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 5, k)), jnp.float32)
+  ys = weights.dot_many(x, ws)
+  for y, w in zip(ys, ws):
+    np.testing.assert_array_equal(_bits(y), _bits(weights.dot(x, w)))
+  calls = _many_calls(lambda x: weights.dot_many(x, ws), x)
+  assert calls[cpu_kernels.TARGET_BLK_MANY] == 2  # the three 4-bit ones, the two int8 ones
+  assert sum(calls.values()) == 2
+  pair = [ws[0], ws[1]]
+  lone = _many_calls(lambda x: weights.dot_many(x, pair), x)  # forms differ
+  assert lone[cpu_kernels.TARGET_BLK_MANY] == 0 and sum(lone.values()) == 2
+
+
+@needs_kernels
+def test_a_block_target_multiplies_q_k_and_gate_up_in_one_call_each():
+  # The tiny Q4_K-like target: q, k, v share a form, as do gate and up, so a
+  # layer is one call for q, k and v, one for gate and up, o and down alone.
+  target = _q4_pair(4, None).target
+  cfg = tiny.PACKABLE_TARGET
+  tokens = jnp.zeros((1, 3), jnp.int32)
+  forward = lambda params, tokens: model.forward(target.arch, params, tokens,
+                                                 cache_lib.init(cfg, 1, 16))[0]
+  calls = _many_calls(forward, target.params, tokens)
+  assert calls[cpu_kernels.TARGET_BLK_MANY] >= 2
+  text = jax.jit(forward).lower(target.params, tokens).as_text()
+  assert "parts = 3 : i64" in text and "parts = 2 : i64" in text

@@ -1,4 +1,4 @@
-"""One block-kernel call for the MLP's gate and up projections instead of two: what it would save.
+"""One block-kernel call for the MLP's gate and up projections instead of two: what it saves.
 
     python -m bench.tools.fuse_gate_up [--layers 28] [--dims 1536,8960] [--reps 25]
 
@@ -10,9 +10,11 @@ read the same activations, so one call over both matrices' panels, one
 after the other, halves those calls. This times one row through `--layers`
 pairs of 4-bit block matrices (Q4_K's form: `weights.to_int4_blocks` of
 random weights, D x F each) as two calls per layer and as one call over
-the concatenated panels, alternated call by call, in one process, and
-checks that both give the same numbers. Prints one JSON object: the median
-ms of each, GB/s of weight bytes, and the median paired ratio fused /
+the concatenated panels ("fused"), and as what the model runs: one
+`jspec_gemm_blk_many` call over both matrices where they lie
+(`weights.dot_many`, "many"), alternated call by call, in one process, and
+checks that all give the same numbers. Prints one JSON object: the median
+ms of each, GB/s of weight bytes, and the median paired ratios over
 separate.
 """
 
@@ -54,8 +56,9 @@ def measure(layers: int, d: int, f: int, reps: int, seed: int = 0) -> dict:
     seed: of the random weights.
 
   Returns:
-    {"separate_ms", "fused_ms", "separate_gbs", "fused_gbs", "fused_over_separate"
-    (median of the paired ratios), "weight_bytes", "max_abs_diff"}.
+    {"separate_ms", "fused_ms", "many_ms", "separate_gbs", "fused_gbs", "many_gbs",
+    "fused_over_separate", "many_over_separate" (medians of the paired ratios),
+    "weight_bytes", "max_abs_diff" (of fused and of many against separate)}.
   """
   rng = np.random.default_rng(seed)
 
@@ -79,26 +82,33 @@ def measure(layers: int, d: int, f: int, reps: int, seed: int = 0) -> dict:
       x = x + 1e-3 * (h[:, :keep] * h[:, f:f + keep])
     return x
 
-  separate, together = jax.jit(separate_fn), jax.jit(fused_fn)
+  def many_fn(x, gates, ups):
+    for g, u in zip(gates, ups):
+      gate, up = weights.dot_many(x, [g, u])
+      x = x + 1e-3 * (gate[:, :keep] * up[:, :keep])
+    return x
+
+  runs = {"separate": (jax.jit(separate_fn), (gates, ups)), "fused": (jax.jit(fused_fn), (fused,)),
+          "many": (jax.jit(many_fn), (gates, ups))}
   x = jnp.ones((1, d), jnp.float32)
-  a = np.asarray(jax.block_until_ready(separate(x, gates, ups)))
-  b = np.asarray(jax.block_until_ready(together(x, fused)))
-  times: dict[str, list[float]] = {"separate": [], "fused": []}
+  outs = {name: np.asarray(jax.block_until_ready(fn(x, *ws))) for name, (fn, ws) in runs.items()}
+  times: dict[str, list[float]] = {name: [] for name in runs}
   for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(separate(x, gates, ups))
-    t1 = time.perf_counter()
-    jax.block_until_ready(together(x, fused))
-    t2 = time.perf_counter()
-    times["separate"].append(t1 - t0)
-    times["fused"].append(t2 - t1)
+    for name, (fn, ws) in runs.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(x, *ws))
+      times[name].append(time.perf_counter() - t0)
   nbytes = sum(weights.nbytes(g) + weights.nbytes(u) for g, u in zip(gates, ups))
-  sep, fus = np.median(times["separate"]), np.median(times["fused"])
-  return {"separate_ms": 1000 * sep, "fused_ms": 1000 * fus, "separate_gbs": nbytes / sep / 1e9,
-          "fused_gbs": nbytes / fus / 1e9, "weight_bytes": nbytes,
-          "fused_over_separate": float(np.median(np.asarray(times["fused"])
-                                                 / np.asarray(times["separate"]))),
-          "max_abs_diff": float(np.max(np.abs(a - b)))}
+  got = {"weight_bytes": nbytes}
+  for name in runs:
+    got[f"{name}_ms"] = 1000 * float(np.median(times[name]))
+    got[f"{name}_gbs"] = nbytes / float(np.median(times[name])) / 1e9
+  for name in ("fused", "many"):
+    got[f"{name}_over_separate"] = float(np.median(np.asarray(times[name])
+                                                   / np.asarray(times["separate"])))
+  got["max_abs_diff"] = max(float(np.max(np.abs(outs[name] - outs["separate"])))
+                            for name in ("fused", "many"))
+  return got
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
