@@ -1215,16 +1215,20 @@ ffi::Error GemmBlk4SymLayer(ffi::ThreadPool pool, Matrix x, LayerIndex layer,
 // (the MLP's gate and up, attention's q and k) each paid a call's start and
 // its threads' uneven finish; y's columns are each part's, bit for bit what
 // its own call gives.
+//
+// The parts' buffers start at weights[base] (`jspec_gemm_blk_forms` passes
+// one group's).
 template <typename QPanels>
 ffi::Error GemmBlkManyAny(ffi::ThreadPool& pool, Matrix& x, int64_t i,
-                          ffi::RemainingArgs& weights, int64_t count, int64_t layers,
-                          bool offsets, ffi::Result<Matrix>& y) {
+                          ffi::RemainingArgs& weights, int64_t base, int64_t count,
+                          int64_t layers, bool offsets, ffi::Result<Matrix>& y,
+                          const std::string& name = "jspec_gemm_blk_many") {
   constexpr bool kNibbles = std::is_same<QPanels, U4Panels>::value;
   using Q = std::conditional_t<kNibbles, uint8_t, int8_t>;
-  const std::string name = "jspec_gemm_blk_many";
   const int64_t per = offsets ? 3 : 2;
-  if (count < 1 || layers < 1 || static_cast<int64_t>(weights.size()) != count * per * layers ||
-      i < 0 || i >= layers) {
+  if (count < 1 || layers < 1 || base < 0 ||
+      static_cast<int64_t>(weights.size()) < base + count * per * layers || i < 0 ||
+      i >= layers) {
     return ffi::Error::InvalidArgument(
         name + ": expected " + std::to_string(per) + " buffers per layer for " +
         std::to_string(count) + " parts of " + std::to_string(layers) + " layers and a layer in [0, " +
@@ -1236,10 +1240,10 @@ ffi::Error GemmBlkManyAny(ffi::ThreadPool& pool, Matrix& x, int64_t i,
   std::vector<BlkPart<Q>> parts;
   int64_t col = 0, b = 0;
   for (int64_t j = 0; j < count; ++j) {
-    const int64_t base = j * per * layers;
-    auto q = weights.get<QPanels>(base + i);
+    const int64_t first = base + j * per * layers;
+    auto q = weights.get<QPanels>(first + i);
     if (!q.has_value()) return q.error();
-    auto s = weights.get<Panels>(base + layers + i);
+    auto s = weights.get<Panels>(first + layers + i);
     if (!s.has_value()) return s.error();
     const auto qd = q->dimensions();
     const auto sd = s->dimensions();
@@ -1249,7 +1253,7 @@ ffi::Error GemmBlkManyAny(ffi::ThreadPool& pool, Matrix& x, int64_t i,
               (xd[1] / blocks == 16 || xd[1] / blocks == 32) && (j == 0 || xd[1] / blocks == b);
     const float* op = nullptr;
     if (offsets) {
-      auto o = weights.get<Panels>(base + 2 * layers + i);
+      auto o = weights.get<Panels>(first + 2 * layers + i);
       if (!o.has_value()) return o.error();
       const auto od = o->dimensions();
       ok = ok && od[0] == sd[0] && od[1] == sd[1] && od[2] == sd[2];
@@ -1277,8 +1281,52 @@ ffi::Error GemmBlkMany(ffi::ThreadPool pool, Matrix x, LayerIndex layer, ffi::Re
                        ffi::Result<Matrix> y, int64_t parts, int64_t layers, bool nibbles,
                        bool offsets) {
   const int64_t i = *layer.typed_data();
-  return nibbles ? GemmBlkManyAny<U4Panels>(pool, x, i, weights, parts, layers, offsets, y)
-                 : GemmBlkManyAny<S8Panels>(pool, x, i, weights, parts, layers, offsets, y);
+  if (static_cast<int64_t>(weights.size()) != parts * (offsets ? 3 : 2) * layers) {
+    return ffi::Error::InvalidArgument("jspec_gemm_blk_many: " + std::to_string(weights.size()) +
+                                       " buffers for " + std::to_string(parts) + " parts of " +
+                                       std::to_string(layers) + " layers");
+  }
+  return nibbles ? GemmBlkManyAny<U4Panels>(pool, x, i, weights, 0, parts, layers, offsets, y)
+                 : GemmBlkManyAny<S8Panels>(pool, x, i, weights, 0, parts, layers, offsets, y);
+}
+
+// jspec_gemm_blk_forms: one matrix of the layer loop whose layers are held
+// in different block forms (a Q4_K_M file keeps some layers' ffn_down in
+// Q6_K, the rest in Q4_K). The layers of each form are a group; the call
+// reads layer `local` of group `form`:
+//
+//   jspec_gemm_blk_forms(x [M, K] f32, form [] s32, local [] s32, buffers...;
+//                        layers[G], nibbles[G], offsets[G]) -> y [M, N]
+//
+// Group g's buffers are its q of each of its layers[g] layers, then their s
+// (then their o, where offsets[g]), group after group. Why: held in one form,
+// the Q4_K layers' 4-bit q were a byte each and every layer's blocks were
+// split to 16 weights with offsets (zeros for Q6_K's): 1.5 bytes a weight
+// where the file's own forms read 0.75 and 1.25.
+ffi::Error GemmBlkForms(ffi::ThreadPool pool, Matrix x, LayerIndex form, LayerIndex local,
+                        ffi::RemainingArgs weights, ffi::Result<Matrix> y,
+                        ffi::Span<const int64_t> layers, ffi::Span<const int64_t> nibbles,
+                        ffi::Span<const int64_t> offsets) {
+  const std::string name = "jspec_gemm_blk_forms";
+  const int64_t g = *form.typed_data(), groups = static_cast<int64_t>(layers.size());
+  int64_t total = 0, base = 0;
+  for (int64_t h = 0; h < groups && nibbles.size() == layers.size() &&
+                      offsets.size() == layers.size(); ++h) {
+    if (h == g) base = total;
+    total += layers[h] * (offsets[h] ? 3 : 2);
+  }
+  if (g < 0 || g >= groups || nibbles.size() != layers.size() ||
+      offsets.size() != layers.size() || static_cast<int64_t>(weights.size()) != total) {
+    return ffi::Error::InvalidArgument(
+        name + ": form " + std::to_string(g) + " outside [0, " + std::to_string(groups) +
+        "), or " + std::to_string(weights.size()) + " buffers where the groups hold " +
+        std::to_string(total));
+  }
+  const int64_t i = *local.typed_data();
+  return nibbles[g] ? GemmBlkManyAny<U4Panels>(pool, x, i, weights, base, 1, layers[g],
+                                               offsets[g] != 0, y, name)
+                    : GemmBlkManyAny<S8Panels>(pool, x, i, weights, base, 1, layers[g],
+                                               offsets[g] != 0, y, name);
 }
 
 }  // namespace
@@ -1294,6 +1342,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlkMany, GemmBlkMany,
                                   .Attr<int64_t>("layers")
                                   .Attr<bool>("nibbles")
                                   .Attr<bool>("offsets"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlkForms, GemmBlkForms,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<LayerIndex>()
+                                  .Arg<LayerIndex>()
+                                  .RemainingArgs()
+                                  .Ret<Matrix>()
+                                  .Attr<ffi::Span<const int64_t>>("layers")
+                                  .Attr<ffi::Span<const int64_t>>("nibbles")
+                                  .Attr<ffi::Span<const int64_t>>("offsets"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlk, GemmBlk,
                               ffi::Ffi::Bind()

@@ -41,6 +41,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jspec import fetch
 
@@ -55,6 +56,7 @@ TARGET_BLK4 = "jspec_gemm_blk4"  # the same with q in [0, 15] stored two per byt
 TARGET_BLK4_SYM = "jspec_gemm_blk4_sym"
 TARGET_BF16 = "jspec_gemm_bf16"  # f32 x bf16 panels widened exactly (`matmul_bf16`)
 TARGET_BLK_MANY = "jspec_gemm_blk_many"  # several block matrices, one x (`matmul_blocks_many`)
+TARGET_BLK_FORMS = "jspec_gemm_blk_forms"  # a layer's blocks among layers of other forms
 TARGET_INT8_MANY = "jspec_gemm_i8_many"  # several int8 matrices, one x (`matmul_int8_many`)
 TARGET_S8_MANY = "jspec_gemm_s8_many"
 # The same products with the weight picked from one buffer per layer (`LayerPick`).
@@ -65,7 +67,7 @@ TARGET_ATTEND = "jspec_attend_f32"  # decode attention over the cache (`jspec.cp
 TARGET_F32S8 = "jspec_gemm_f32s8"  # f32 x s8 -> f32, the greedy head's estimate (`jspec.greedy_head`)
 TARGETS = (TARGET, TARGET_INT8, TARGET_S8, *LAYER_TARGETS.values(), TARGET_ATTEND, TARGET_F32S8,
            TARGET_BLK, TARGET_BLK_SYM, TARGET_BLK4, TARGET_BLK4_SYM, TARGET_BF16, TARGET_BLK_MANY,
-           TARGET_INT8_MANY, TARGET_S8_MANY)
+           TARGET_BLK_FORMS, TARGET_INT8_MANY, TARGET_S8_MANY)
 SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
 # The attention kernel, built into the same library; both sources include the
 # thread helpers of HEADERS.
@@ -80,6 +82,7 @@ _SYMBOLS = {TARGET: "JspecGemmF32", TARGET_INT8: "JspecGemmI8", TARGET_S8: "Jspe
             TARGET_BLK4_SYM: "JspecGemmBlk4Sym", LAYER_TARGETS[TARGET_BLK4]: "JspecGemmBlk4Layer",
             LAYER_TARGETS[TARGET_BLK4_SYM]: "JspecGemmBlk4SymLayer", TARGET_BF16: "JspecGemmBf16",
             LAYER_TARGETS[TARGET_BF16]: "JspecGemmBf16Layer", TARGET_BLK_MANY: "JspecGemmBlkMany",
+            TARGET_BLK_FORMS: "JspecGemmBlkForms",
             TARGET_INT8_MANY: "JspecGemmI8Many", TARGET_S8_MANY: "JspecGemmS8Many"}
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
 # How long the compiler may run before jspec gives up on the kernels for
@@ -347,6 +350,43 @@ def matmul_int8(xq: jax.Array, panels: jax.Array, sums: jax.Array) -> jax.Array:
     panels = panels.value()
   q = unpack_int8(panels, k)  # [N, K]
   return jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+
+
+def matmul_blocks_forms(x: jax.Array, groups, form: jax.Array, local: jax.Array) -> jax.Array:
+  """x @ W for the layer loop's W when its layers are blocks of different forms.
+
+  A GGUF file may keep one matrix in different k-quants from layer to layer
+  (Q4_K_M: `ffn_down` in Q6_K in some layers, Q4_K in the rest). Each form's
+  layers are one group of `LayerPick`s, and the layer is group `form`'s
+  `local`-th: `jspec_gemm_blk_forms` reads it where it lies, in its own form
+  (the output is `matmul_blocks`' on that layer's arrays, bit for bit).
+  Where the kernel would not run, a `lax.switch` over the groups.
+
+  Args:
+    x: [..., K] float32 activations.
+    groups: per form, (qpanels, spanels, opanels or None), each a `LayerPick`
+      over that form's layers whose index is `local`.
+    form: [] int32 the layer's group.
+    local: [] int32 the layer's index in its group.
+
+  Returns:
+    [..., N] float32.
+  """
+  lead, k = x.shape[:-1], x.shape[-1]
+  rows = x.reshape(-1, k)  # [M, K]
+  n = groups[0][0].shape[0] * groups[0][0].shape[2]
+  forms = [blocks_form(*group) for group in groups]
+  if (x.dtype == jnp.float32 and all(f[0] == k and f[1] in BLOCK_SIZES for f in forms)
+      and available() and jax.default_backend() == "cpu"):
+    buffers = [b for group in groups for w in group if w is not None for b in w.weights]
+    y = jax.ffi.ffi_call(TARGET_BLK_FORMS, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(
+        rows, form.astype(jnp.int32), local.astype(jnp.int32), *buffers,
+        layers=np.asarray([len(group[0].weights) for group in groups], np.int64),
+        nibbles=np.asarray([f[2] for f in forms], np.int64),
+        offsets=np.asarray([f[3] for f in forms], np.int64))
+  else:
+    y = jax.lax.switch(form, [lambda group=group: matmul_blocks(rows, *group) for group in groups])
+  return y.reshape(*lead, n)
 
 
 def matmul_int8_many(xq: jax.Array, parts) -> list[jax.Array]:

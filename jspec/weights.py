@@ -147,6 +147,23 @@ class BF16Panels:
     return (i, n * width)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerForms:
+  """Inside the layer loop, one matrix whose layers are `Blocks` of different forms (`pick`).
+
+  Each form's layers are a group; the loop's layer is group `form`'s
+  `local`-th. Made only while tracing the loop, never stored.
+  """
+
+  groups: tuple  # per form: `Blocks` whose arrays are `cpu_kernels.LayerPick`s (index: local)
+  form: jax.Array  # [] int32
+  local: jax.Array  # [] int32
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return self.groups[0].shape
+
+
 Leaf = Union[Dense, Table, Panels, Int8, Int8Panels, Blocks, BF16Panels]
 LEAVES = (Dense, Table, Panels, Int8, Int8Panels, Blocks, BF16Panels)
 # Leaves the kernels read in place inside the layer loop.
@@ -183,6 +200,10 @@ def dot(x: jax.Array, w: Leaf, out_dtype=None) -> jax.Array:
     return cpu_kernels.matmul_blocks(x.astype(jnp.float32), w.q, w.scale, w.offset)
   if isinstance(w, BF16Panels):
     return cpu_kernels.matmul_bf16(x.astype(jnp.float32), w.p)
+  if isinstance(w, LayerForms):
+    return cpu_kernels.matmul_blocks_forms(x.astype(jnp.float32),
+                                           [(g.q, g.scale, g.offset) for g in w.groups],
+                                           w.form, w.local)
   raise TypeError(f"not a weight leaf: {type(w).__name__}")
 
 
@@ -510,44 +531,35 @@ def matrix(w: Leaf) -> jax.Array:
 
 
 def uniform(leaves: Sequence[Leaf]) -> list[Leaf]:
-  """One stored form for one matrix of every layer, keeping each layer's numbers exactly.
+  """Stored forms for one matrix of every layer that the layer loop reads in place.
 
-  The layer loop reads all layers' buffers with one kernel call, so they must
-  agree in shape. A GGUF may store a matrix in different k-quants from layer
-  to layer (Q4_K_M keeps some layers' `ffn_down` and `attn_v` in Q6_K): such
-  blocks are split to the smallest block size, each part keeping its block's
-  scale, and symmetric blocks get zero offsets, which changes no value;
-  where some layers hold q as nibbles and others as int8 (Q4_K beside
-  Q6_K), the nibbles are unpacked to int8, so one kernel reads every layer.
-  Any other mix is widened to float32 panels.
+  The layer loop reads all layers' buffers with one kernel call. A GGUF may
+  store a matrix in different k-quants from layer to layer (Q4_K_M keeps
+  some layers' `ffn_down` and `attn_v` in Q6_K): `Blocks` of one logical
+  shape stay each in its own form, which `pick` groups by form, so each
+  layer reads the file's own bytes (4-bit q two to a byte, Q6_K without
+  offsets). Any other mix is widened to float32 panels.
 
   Args:
     leaves: the same matrix of each layer.
 
   Returns:
-    The leaves, in order, all of one type and shape.
+    The leaves, in order: as they are where they are of one type and shape,
+    or all `Blocks` of one logical shape; else float32 panels.
   """
   leaves = list(leaves)
   form = lambda w: (type(w), tuple((a.shape, jnp.dtype(a.dtype)) for a in jax.tree.leaves(w)))
   if len({form(w) for w in leaves}) == 1:
     return leaves
   if all(isinstance(w, Blocks) for w in leaves) and len({w.shape for w in leaves}) == 1:
-    size = min(w.block for w in leaves)
-    affine = any(w.offset is not None for w in leaves)
-    unpack = len({cpu_kernels.is_nibbles(w.q) for w in leaves}) > 1
-
-    def split(w: Blocks) -> Blocks:
-      q = cpu_kernels.unpack_nibbles(w.q) if unpack and cpu_kernels.is_nibbles(w.q) else w.q
-      times = w.block // size
-      scale = jnp.repeat(w.scale, times, axis=1)  # [O/32, I/size, 32]
-      if w.offset is not None:
-        offset = jnp.repeat(w.offset, times, axis=1)
-      else:
-        offset = jnp.zeros_like(scale) if affine else None
-      return Blocks(*jax.block_until_ready((q, scale, offset)))
-
-    return [split(w) for w in leaves]
+    return leaves
   return [to_panels(to_float(w)) for w in leaves]
+
+
+def _block_form(w: Blocks) -> tuple:
+  """The arrays' shapes and dtypes: layers alike in these share one `LayerPick`."""
+  return tuple((a.shape, jnp.dtype(a.dtype)) if a is not None else None
+               for a in (w.q, w.scale, w.offset))
 
 
 def pick(layers: list, index: jax.Array) -> Any:
@@ -574,8 +586,20 @@ def pick(layers: list, index: jax.Array) -> Any:
                         jnp.stack([w.sums for w in leaves])[index],
                         jnp.stack([w.scale for w in leaves])[index], inputs=first.inputs)
     if isinstance(first, Blocks):
-      each = lambda field: cpu_kernels.LayerPick(tuple(getattr(w, field) for w in leaves), index)
-      return Blocks(each("q"), each("scale"), None if first.offset is None else each("offset"))
+      forms = list(dict.fromkeys(_block_form(w) for w in leaves))  # in order of first use
+      group_of = [forms.index(_block_form(w)) for w in leaves]
+      local_of = [group_of[:i].count(g) for i, g in enumerate(group_of)]
+      local = jnp.asarray(local_of, jnp.int32)[index] if len(forms) > 1 else index
+
+      def group(members: list) -> Blocks:
+        each = lambda field: cpu_kernels.LayerPick(tuple(getattr(w, field) for w in members), local)
+        return Blocks(each("q"), each("scale"), None if members[0].offset is None else each("offset"))
+
+      if len(forms) == 1:
+        return group(list(leaves))
+      groups = tuple(group([w for w, h in zip(leaves, group_of) if h == g])
+                     for g in range(len(forms)))
+      return LayerForms(groups, jnp.asarray(group_of, jnp.int32)[index], local)
     if isinstance(first, BF16Panels):
       return BF16Panels(cpu_kernels.LayerPick(tuple(w.p for w in leaves), index))
     if first is None:

@@ -146,21 +146,48 @@ def test_a_blocks_leaf_of_nibbles_reads_as_its_int8_twin():
   assert lossy.q.dtype == jnp.int8  # the lossy target's q is signed: kept a byte each
 
 
-def test_uniform_unpacks_nibbles_beside_int8_layers():
-  # Q4_K (nibbles, affine, B 32) in layers 0 and 2, Q6_K (int8, symmetric, B 16) in layer 1.
+def _mixed_layers():
+  """One matrix in three layers: Q4_K (nibbles, affine, B 32) in 0 and 2, Q6_K (int8, B 16) in 1."""
   rng = np.random.default_rng(8)
   q6 = rng.integers(-32, 32, (64, 128), dtype=np.int8)
-  mixed = [weights.blocks(*_blocks(64, 128, 32, True, 0)),
-           weights.blocks(q6, rng.uniform(0.01, 0.02, (64, 8)).astype(np.float32)),
-           weights.blocks(*_blocks(64, 128, 32, True, 2))]
+  return [weights.blocks(*_blocks(64, 128, 32, True, 0)),
+          weights.blocks(q6, rng.uniform(0.01, 0.02, (64, 8)).astype(np.float32)),
+          weights.blocks(*_blocks(64, 128, 32, True, 2))]
+
+
+def test_uniform_keeps_each_layers_block_form():
+  mixed = _mixed_layers()
   assert [w.q.dtype for w in mixed] == [jnp.uint8, jnp.int8, jnp.uint8]
-  same = weights.uniform(mixed)
-  assert all(w.q.dtype == jnp.int8 and w.q.shape == (2, 128, 32) for w in same)
-  assert all(w.scale.shape == (2, 8, 32) and w.offset is not None for w in same)
-  for before, after in zip(mixed, same):
-    np.testing.assert_array_equal(_bits(weights.matrix(after)), _bits(weights.matrix(before)))
+  assert weights.uniform(mixed) == mixed  # the file's own bytes, nothing unpacked or split
   nibbles = [mixed[0], mixed[2]]
-  assert weights.uniform(nibbles) == nibbles  # all nibbles: unchanged
+  assert weights.uniform(nibbles) == nibbles
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_the_layer_loop_reads_each_layer_in_its_own_form(kernels, monkeypatch):
+  # `pick` over layers of two forms groups them; each index must give that
+  # layer's own product bit for bit, through jspec_gemm_blk_forms where the
+  # kernel runs, else a switch over the groups.
+  if kernels and not cpu_kernels.available():
+    pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
+  if not kernels:
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+  mixed = _mixed_layers()
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((3, 128)), jnp.float32)
+  picked = lambda x, i: weights.dot(x, weights.pick([{"w": w} for w in mixed], i)["w"])
+  text = jax.jit(picked).lower(x, jnp.int32(0)).as_text()
+  assert (f"@{cpu_kernels.TARGET_BLK_FORMS}(" in text) == kernels
+  for i, own in enumerate(mixed):
+    got, want = jax.jit(picked)(x, jnp.int32(i)), jax.jit(weights.dot)(x, own)
+    if kernels:
+      np.testing.assert_array_equal(_bits(got), _bits(want))
+    else:  # XLA's einsum rounds alike only within float32 inside and outside a switch
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+  if kernels:
+    with pytest.raises(Exception, match="and layer 2"):  # a local index past its group is refused
+      form = weights.pick([{"w": w} for w in mixed], jnp.int32(0))["w"]
+      jax.block_until_ready(cpu_kernels.matmul_blocks_forms(
+          x, [(g.q, g.scale, g.offset) for g in form.groups], jnp.int32(1), jnp.int32(2)))
 
 
 def _q4_pair(seed: int, nibbles, q6_down_layer=None) -> jspec.Bundle:
@@ -208,9 +235,11 @@ def test_a_nibble_target_is_the_int8_target_bit_for_bit(q6_down_layer, tmp_path)
   nib, wide = (_q4_pair(4, n, q6_down_layer) for n in (None, False))
   dtypes = [w.q.dtype for w in _block_leaves(nib.target.params)]
   assert jnp.uint8 in dtypes and all(w.q.dtype == jnp.int8 for w in _block_leaves(wide.target.params))
-  if q6_down_layer is not None:  # the mixed role is int8 in every layer, the others nibbles
+  if q6_down_layer is not None:  # each layer keeps its own form: int8 Q6_K there, nibbles elsewhere
     downs = [layer["mlp"]["down"]["w"] for layer in nib.target.params["layers"].values()]
-    assert all(w.q.dtype == jnp.int8 for w in downs) and downs[0].offset is not None
+    assert [w.q.dtype == jnp.int8 for w in downs] == [i == q6_down_layer
+                                                       for i in range(len(downs))]
+    assert [w.offset is None for w in downs] == [i == q6_down_layer for i in range(len(downs))]
   assert weights.nbytes(nib.target.params) < weights.nbytes(wide.target.params)
   cfg = tiny.PACKABLE_TARGET
   tokens = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 23)), jnp.int32)
