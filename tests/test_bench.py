@@ -619,6 +619,19 @@ def test_fuse_gate_up_gives_the_separate_calls_numbers():
   assert got["fused_over_separate"] > 0 and got["many_over_separate"] > 0
 
 
+def test_kernel_rate_times_streamed_and_cached_calls_of_each_form():
+  from bench.tools import kernel_rate
+  got = kernel_rate.measure(d=64, f=96, layers=2, cached_outputs=32, calls=3, reps=2)
+  assert set(got) == {"4bit", "int8"}
+  for form in got.values():
+    assert form["stream"]["bytes_per_call"] > form["cached"]["bytes_per_call"] > 0
+    assert min(form[k]["ms_per_call"] for k in ("stream", "cached")) > 0
+    assert form["stream_over_cached"] == pytest.approx(
+        form["stream"]["weights_per_ns"] / form["cached"]["weights_per_ns"])
+  # 4-bit q read half the bytes of int8's for the same weights (plus scales and offsets)
+  assert got["4bit"]["stream"]["bytes_per_call"] < got["int8"]["stream"]["bytes_per_call"]
+
+
 def test_compare_rotates_configurations_and_flags_unequal_ids(tmp_path, capsys):
   import json as json_lib
   from bench import prompts as prompts_lib

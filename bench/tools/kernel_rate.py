@@ -1,0 +1,131 @@
+"""Is the one-row block kernel bound by memory or by its own instructions? The same calls, read from memory and from cache.
+
+    python -m bench.tools.kernel_rate [--dims 1536,8960] [--cached-outputs 1024] [--reps 15]
+
+A decode step multiplies one row by every weight once, so its kernels
+should read at the memory bandwidth. The exact target's 4-bit matrices
+(gate and up, Q4_K two q to a byte) read at less. This times one row
+through chains of one-row `weights.dot` calls of one stored form ("4bit":
+Q4_K's, q two to a byte with a scale and offset per 32; "int8": q a byte
+each with a scale per 32, `weights.to_int8_blocks`) in one process,
+alternated rep by rep:
+
+  stream  --layers distinct [D, F] matrices (the real layer's shape), one
+          call each: every weight comes from memory, as in a decode step;
+  cached  one [D, --cached-outputs] matrix small enough for the two cores'
+          caches, called --calls times: the weights come from cache, so the
+          rate is the kernel's own (its instructions), plus a call's fixed cost.
+
+For each it prints the median ms per call, weights per ns and GB/s of
+weight bytes (q, scales, offsets). Where stream's weights/ns is well below
+cached's, memory bounds the call; where they are close, the kernel's own
+instructions do, and a faster memory would not help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec import weights
+
+FORMS = {"4bit": weights.to_int4_blocks, "int8": weights.to_int8_blocks}
+
+
+def _chain(ws: list, reps_per_matrix: int, d: int):
+  """A jitted chain: x [1, D] through each matrix of ws in turn, reps_per_matrix times."""
+  def run(x, ws):
+    for w in ws:
+      for _ in range(reps_per_matrix):
+        y = weights.dot(x, w)  # [1, F]
+        x = x + 1e-3 * jnp.resize(y, (1, d))  # the next call depends on this one
+    return x
+
+  return jax.jit(run)
+
+
+def measure(d: int, f: int, layers: int, cached_outputs: int, calls: int, reps: int,
+            forms: Sequence[str] = tuple(FORMS), seed: int = 0) -> dict:
+  """Times stream and cached chains of each form, alternated.
+
+  Args:
+    d, f: the streamed matrices' inputs and outputs.
+    layers: how many distinct streamed matrices.
+    cached_outputs: outputs of the one cached matrix (D inputs).
+    calls: calls of the cached matrix per chain.
+    reps: alternated timings of each chain.
+    forms: which of `FORMS`.
+    seed: of the random weights.
+
+  Returns:
+    {form: {"stream": {...}, "cached": {...}}}, each with "ms_per_call",
+    "weights_per_ns", "gbs", "bytes_per_call"; and per form
+    "stream_over_cached" (the ratio of their weights/ns).
+  """
+  rng = np.random.default_rng(seed)
+  matrix = lambda o: weights.Dense(jnp.asarray(rng.standard_normal((d, o), np.float32) * 0.02))
+  x = jnp.ones((1, d), jnp.float32)
+  runs = {}
+  for form in forms:
+    stream_ws = [FORMS[form](matrix(f)) for _ in range(layers)]
+    cached_ws = [FORMS[form](matrix(cached_outputs))]
+    runs[(form, "stream")] = (_chain(stream_ws, 1, d), stream_ws, layers, d * f)
+    runs[(form, "cached")] = (_chain(cached_ws, calls, d), cached_ws, calls, d * cached_outputs)
+  for fn, ws, _, _ in runs.values():
+    jax.block_until_ready(fn(x, ws))
+  times: dict = {name: [] for name in runs}
+  for r in range(reps):
+    for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+      fn, ws, _, _ = runs[name]
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(x, ws))
+      times[name].append(time.perf_counter() - t0)
+  out: dict = {}
+  for (form, kind), (_, ws, n_calls, n_weights) in runs.items():
+    per_call = float(np.median(times[(form, kind)])) / n_calls
+    nbytes = weights.nbytes(ws[0])
+    out.setdefault(form, {})[kind] = {"ms_per_call": 1000 * per_call,
+                                      "weights_per_ns": n_weights / per_call / 1e9,
+                                      "gbs": nbytes / per_call / 1e9, "bytes_per_call": nbytes}
+  for form in forms:
+    out[form]["stream_over_cached"] = (out[form]["stream"]["weights_per_ns"]
+                                       / out[form]["cached"]["weights_per_ns"])
+  return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Measures and prints one JSON object (see the module docstring).
+
+  Args:
+    argv: command-line arguments.
+
+  Returns:
+    0.
+  """
+  ap = argparse.ArgumentParser(prog="python -m bench.tools.kernel_rate",
+                               description=__doc__.split("\n")[0])
+  ap.add_argument("--dims", default="1536,8960", help="D,F of the streamed matrices (gate's)")
+  ap.add_argument("--layers", type=int, default=28)
+  ap.add_argument("--cached-outputs", type=int, default=1024)
+  ap.add_argument("--calls", type=int, default=200)
+  ap.add_argument("--reps", type=int, default=15)
+  args = ap.parse_args(argv)
+  try:
+    d, f = (int(v) for v in args.dims.split(","))
+  except ValueError:
+    ap.error(f"--dims {args.dims!r}: expected two comma-separated integers, D,F")
+  if min(d, f, args.layers, args.cached_outputs, args.calls, args.reps) < 1 or any(
+      v % 32 for v in (d, f, args.cached_outputs)):
+    ap.error("every count must be at least 1, and D, F and --cached-outputs multiples of 32")
+  print(json.dumps(measure(d, f, args.layers, args.cached_outputs, args.calls, args.reps)))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
