@@ -8,6 +8,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -86,6 +87,32 @@ def test_concurrent_calls_in_one_program_all_finish_correctly():
   outs = jax.jit(lambda x, ps: [cpu_kernels.matmul(x, p) for p in ps])(x, panels)
   for out, w in zip(outs, ws):
     np.testing.assert_allclose(np.asarray(out), np.asarray(x) @ w, rtol=1e-5, atol=1e-4)
+
+
+def test_calls_from_several_threads_at_once_all_finish_correctly():
+  # Programs run from several Python threads post their jobs to the same
+  # helper thread, each replacing the one before if it was not taken yet:
+  # every caller must still get its own whole product.
+  x = jnp.asarray(_random((3, 256), 4))
+  ws = [_random((256, 32 * (i + 5)), 20 + i) for i in range(4)]
+  panels = [cpu_kernels.pack(jnp.asarray(w)) for w in ws]
+  run = jax.jit(cpu_kernels.matmul)
+  results = [[] for _ in ws]
+
+  def worker(i):
+    for _ in range(25):
+      results[i].append(np.asarray(run(x, panels[i])))
+
+  threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(len(ws))]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=60)
+  assert not any(t.is_alive() for t in threads)
+  for w, outs in zip(ws, results):
+    assert len(outs) == 25
+    for out in outs:
+      np.testing.assert_allclose(out, np.asarray(x) @ w, rtol=1e-5, atol=1e-4)
 
 
 def test_pack_and_pack_table_round_trip_and_index_as_documented():
