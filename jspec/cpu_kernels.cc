@@ -811,7 +811,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmS8Layer, GemmS8Layer,
 //
 //   y[m, 32p + c] = sum_k x[m, k] * (s[p, k / B, c] * q[p, k, c] + o[p, k / B, c])
 //
-// B = K / s.shape[1] is 16 or 32. Why: the target's weights as float32 are
+// B = K / s.shape[1] is 16 or 32; s and o may instead be factored int8
+// panels [P, (K/256)(4 + 256/B), 32] (`BlockScale`), the same numbers in
+// fewer bytes. Why: the target's weights as float32 are
 // 3-5x the bytes that define them, and a decode step is bound by the bytes
 // it reads; as int8 with a float32 scale (and offset) per block they are
 // 1.125-1.25 bytes each and still exactly the checkpoint's values.
@@ -903,20 +905,68 @@ inline Vec WidenRow(const uint8_t* row, int v) { return WidenU4<R == 1>(row + v 
 template <typename Q>
 constexpr int64_t kPairBytes = std::is_same<Q, uint8_t>::value ? kPanel : 2 * kPanel;
 
+// Scale (and offset) panels come in two forms. Float: [P, K/B, 32] f32,
+// block j's 32 columns at row j. Factored (S = int8_t): a K-quant's block
+// scales are d * sc, a float d per 256 k (the super-block) and a small
+// integer sc per block, so the panel holds them as such, [P, (K/256)(4 + R),
+// 32] bytes with R = 256/B blocks per super-block: super-block g's rows are
+// its 32 columns' d as float32 (4 rows of bytes), then its R rows of sc as
+// int8. A Q4_K weight's scale and offset then take 3/32 of a byte instead
+// of 1/4 (0.59 bytes a weight in all instead of 0.75), a Q6_K's 0.08
+// instead of 0.25. float(sc) * d is exact in float32 (d is a float16, sc at
+// most 8 bits), and is the float32 product gguf-py's dequantizer computes,
+// so both forms give every output the same bits.
+constexpr int64_t kSuper = 256;  // k per super-block of a factored scale panel
+template <int B>
+constexpr int64_t kSuperBlocks = kSuper / B;  // R
+
+// Scales of block j for columns [c, c + kLanes) of one panel's scales.
+template <int B>
+inline Vec BlockScale(const float* s, int64_t j, int64_t c) { return Load(s + j * kPanel + c); }
+template <int B>
+inline Vec BlockScale(const int8_t* s, int64_t j, int64_t c) {
+  constexpr int64_t R = kSuperBlocks<B>;
+  const int8_t* g = s + (j / R) * (4 + R) * kPanel;
+  const Vec d = Load(reinterpret_cast<const float*>(g) + c);
+  return WidenS8(g + (4 + j % R) * kPanel + c) * d;
+}
+
+// The scales a few blocks ahead of block j, into L1: one cache line per
+// block, enough to keep ahead of the stream in either form.
+template <int B>
+inline void PrefetchScales(const float* s, int64_t j, int64_t c) {
+  __builtin_prefetch(s + (j + 8) * kPanel + c, 0, 3);
+  __builtin_prefetch(s + (j + 8) * kPanel + c + 16, 0, 3);
+}
+template <int B>
+inline void PrefetchScales(const int8_t* s, int64_t j, int64_t c) {
+  constexpr int64_t R = kSuperBlocks<B>;
+  __builtin_prefetch(s + (j / R + 2) * (4 + R) * kPanel + (j % R) * 64, 0, 3);
+}
+
+// Elements of one panel's scale panel over K inputs.
+template <int B, typename S>
+constexpr int64_t ScaleStride(int64_t k_size) {
+  return std::is_same<S, float>::value ? k_size / B * kPanel
+                                       : k_size / kSuper * (4 + kSuperBlocks<B>) * kPanel;
+}
+
 // For p in [0, NP) and m in [0, MR):
 //   y[m, 32p + 0:W] = sum over blocks j of s_p[j] * (sum_k xt[k, m] * q_p[k]) + o_p[j] * xs[j, m]
 // where W = NV vectors of columns (q, s, o and y may point into the middle
-// of a panel row), q_p = q + p * q_stride, s_p and o_p likewise with
-// so_stride, over `blocks` blocks of B k; Q is int8_t (a byte per q) or
+// of a panel row), q_p = q + p * q_stride, s_p and o_p the panel's scales
+// and offsets at s + p * so_stride (float or factored, `BlockScale`: q and y
+// start at column c, s and o at the panel's first), over `blocks` blocks of
+// B k; Q is int8_t (a byte per q) or
 // uint8_t (nibbles, `WidenRow`), read alike. x comes packed for the tile, xt
 // [K, MR] and its block sums xs [K/B, MR], so every broadcast is at a fixed
 // offset from one pointer. Every output's sums run in the same order
 // whatever MR and NP are (and round alike: see the asm below), so a
 // row comes out bit for bit the same whichever rows share the call: a
 // verify row equals the target-only step's, as with jspec_gemm_f32.
-template <typename Q, int MR, int NV, int B, bool OFF, int NP>
-void BlkTile(const float* xt, const float* xs, const Q* q, int64_t q_stride, const float* s,
-             const float* o, int64_t so_stride, int64_t blocks, float* y, int64_t ldy) {
+template <typename Q, int MR, int NV, int B, bool OFF, int NP, typename S>
+void BlkTile(const float* xt, const float* xs, const Q* q, int64_t q_stride, const S* s,
+             const S* o, int64_t so_stride, int64_t c, int64_t blocks, float* y, int64_t ldy) {
   constexpr bool kInRegs = 2 * NP * MR * NV + NV + 3 <= kBlkRegs;
   Vec out[kInRegs ? NP : 1][kInRegs ? MR : 1][NV];
   if constexpr (kInRegs) {
@@ -966,17 +1016,13 @@ void BlkTile(const float* xt, const float* xs, const Q* q, int64_t q_stride, con
       xk += 2 * MR;
     }
     for (int p = 0; p < NP; ++p) {
-      const float* sp = s + p * so_stride + j * kPanel;
-      const float* op = o + p * so_stride + j * kPanel;
-      __builtin_prefetch(sp + 8 * kPanel, 0, 3);
-      __builtin_prefetch(sp + 8 * kPanel + 16, 0, 3);
-      if (OFF) {
-        __builtin_prefetch(op + 8 * kPanel, 0, 3);
-        __builtin_prefetch(op + 8 * kPanel + 16, 0, 3);
-      }
+      const S* sp = s + p * so_stride;
+      const S* op = OFF ? o + p * so_stride : nullptr;
+      PrefetchScales<B>(sp, j, c);
+      if (OFF) PrefetchScales<B>(op, j, c);
       for (int v = 0; v < NV; ++v) {
-        const Vec sv = Load(sp + v * kLanes);
-        const Vec ov = OFF ? Load(op + v * kLanes) : Vec{};
+        const Vec sv = BlockScale<B>(sp, j, c + v * kLanes);
+        const Vec ov = OFF ? BlockScale<B>(op, j, c + v * kLanes) : Vec{};
 #pragma GCC unroll 12
         for (int m = 0; m < MR; ++m) {
           // Each product rounded, then added (the asm keeps -ffp-contract
@@ -1010,21 +1056,23 @@ void BlkTile(const float* xt, const float* xs, const Q* q, int64_t q_stride, con
   }
 }
 
-template <typename Q>
-using BlkTileFn = void (*)(const float*, const float*, const Q*, int64_t, const float*,
-                          const float*, int64_t, int64_t, float*, int64_t);
-template <typename Q, int B, bool OFF, int NP, int... R>
-constexpr std::array<BlkTileFn<Q>, sizeof...(R) + 1> MakeBlkTiles(
+template <typename Q, typename S>
+using BlkTileFn = void (*)(const float*, const float*, const Q*, int64_t, const S*, const S*,
+                           int64_t, int64_t, int64_t, float*, int64_t);
+template <typename Q, int B, bool OFF, int NP, typename S, int... R>
+constexpr std::array<BlkTileFn<Q, S>, sizeof...(R) + 1> MakeBlkTiles(
     std::integer_sequence<int, R...>) {
-  return {nullptr, BlkTile<Q, R + 1, kBlkVecs, B, OFF, NP>...};
+  return {nullptr, BlkTile<Q, R + 1, kBlkVecs, B, OFF, NP, S>...};
 }
 
-// One matrix of a block product: its panels, and the first column of y it writes.
+// One matrix of a block product: its panels, and the first column of y it
+// writes. s and o are float32 or factored (int8_t) scale panels, alike in
+// every part of a call.
 template <typename Q>
 struct BlkPart {
   const Q* q;
-  const float* s;
-  const float* o;  // nullptr without offsets
+  const void* s;
+  const void* o;  // nullptr without offsets
   int64_t panels;
   int64_t col;
 };
@@ -1033,17 +1081,17 @@ struct BlkPart {
 // one product over the same x: x is packed once, and the parts' panels are
 // one pool of work for the threads, so the call pays one start and one
 // uneven finish for all of them. Each column's sums are a one-part call's.
-template <typename Q, int B, bool OFF>
+template <typename Q, int B, bool OFF, typename S>
 void RunBlk(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart<Q>>& parts,
             int64_t m_size, int64_t k_size, int64_t n_size, float* yp) {
-  using TileFn = BlkTileFn<Q>;
+  using TileFn = BlkTileFn<Q, S>;
   static constexpr auto tiles =
-      MakeBlkTiles<Q, B, OFF, 1>(std::make_integer_sequence<int, kBlkRows>{});
+      MakeBlkTiles<Q, B, OFF, 1, S>(std::make_integer_sequence<int, kBlkRows>{});
   static constexpr auto step_tiles =
-      MakeBlkTiles<Q, B, OFF, kBlkStepPanels>(std::make_integer_sequence<int, kBlkStepRows>{});
-  static constexpr TileFn row_tile = BlkTile<Q, 1, kBlkVecs, B, OFF, kBlkRowPanels>;
+      MakeBlkTiles<Q, B, OFF, kBlkStepPanels, S>(std::make_integer_sequence<int, kBlkStepRows>{});
+  static constexpr TileFn row_tile = BlkTile<Q, 1, kBlkVecs, B, OFF, kBlkRowPanels, S>;
   const int64_t blocks = k_size / B;
-  const int64_t q_stride = k_size / 2 * kPairBytes<Q>, so_stride = blocks * kPanel;
+  const int64_t q_stride = k_size / 2 * kPairBytes<Q>, so_stride = ScaleStride<B, S>(k_size);
   // x packed per row tile: tile t (rows m0 .. m0 + r) as [K, r], then its
   // block sums [K/B, r] (for the offsets).
   const int64_t tiles_m = (m_size + kBlkRows - 1) / kBlkRows;
@@ -1081,9 +1129,10 @@ void RunBlk(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart<Q>
       const float* xt = xpk + m0 * (k_size + blocks);
       for (int64_t c = 0; c < kPanel; c += kBlkVecs * kLanes) {
         auto run = [&](TileFn tile, int64_t p) {
-          tile(xt, xt + r * k_size, part.q + p * q_stride + c, q_stride,
-               part.s + p * so_stride + c, OFF ? part.o + p * so_stride + c : nullptr,
-               so_stride, blocks, yp + m0 * n_size + part.col + p * kPanel + c, n_size);
+          const S* s = static_cast<const S*>(part.s);
+          tile(xt, xt + r * k_size, part.q + p * q_stride + c, q_stride, s + p * so_stride,
+               OFF ? static_cast<const S*>(part.o) + p * so_stride : nullptr, so_stride, c,
+               blocks, yp + m0 * n_size + part.col + p * kPanel + c, n_size);
         };
         if (np > 1 && p0 + np <= panels) {
           run(step, p0);
@@ -1095,67 +1144,102 @@ void RunBlk(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart<Q>
   });
 }
 
-// RunBlk for a block size and offsets known only at run time.
-template <typename Q>
-void RunBlkParts(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart<Q>>& parts,
-                 int64_t m_size, int64_t k_size, int64_t b, bool offsets, float* yp) {
+// RunBlk for a block size, offsets and scale form known only at run time.
+template <typename Q, typename S>
+void RunBlkScales(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart<Q>>& parts,
+                  int64_t m_size, int64_t k_size, int64_t b, bool offsets, float* yp) {
   const int64_t n_size = parts.back().col + parts.back().panels * kPanel;
-  auto run = offsets ? (b == 16 ? RunBlk<Q, 16, true> : RunBlk<Q, 32, true>)
-                     : (b == 16 ? RunBlk<Q, 16, false> : RunBlk<Q, 32, false>);
+  auto run = offsets ? (b == 16 ? RunBlk<Q, 16, true, S> : RunBlk<Q, 32, true, S>)
+                     : (b == 16 ? RunBlk<Q, 16, false, S> : RunBlk<Q, 32, false, S>);
   run(pool, xp, parts, m_size, k_size, n_size, yp);
 }
+
+template <typename Q>
+void RunBlkParts(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart<Q>>& parts,
+                 int64_t m_size, int64_t k_size, int64_t b, bool offsets, bool factored,
+                 float* yp) {
+  (factored ? RunBlkScales<Q, int8_t> : RunBlkScales<Q, float>)(pool, xp, parts, m_size, k_size, b,
+                                                                 offsets, yp);
+}
+
+// The form of a block matrix's scale (or offset) panels for P panels of K
+// inputs: float32 [P, K/B, 32], or factored int8 [P, (K/256)(4 + 256/B),
+// 32] (`BlockScale`). Sets b (B) and factored; false where neither fits or
+// B is not 16 or 32.
+bool ScaleForm(const ffi::AnyBuffer& s, int64_t panels, int64_t k, int64_t* b, bool* factored) {
+  const auto d = s.dimensions();
+  if (d.size() != 3 || d[0] != panels || d[2] != kPanel || d[1] <= 0) return false;
+  if (s.element_type() == ffi::DataType::F32) {
+    if (k % d[1] != 0) return false;
+    *b = k / d[1];
+    *factored = false;
+  } else if (s.element_type() == ffi::DataType::S8) {
+    if (k % kSuper != 0 || d[1] % (k / kSuper) != 0) return false;
+    const int64_t r = d[1] / (k / kSuper) - 4;
+    if (r <= 0 || kSuper % r != 0) return false;
+    *b = kSuper / r;
+    *factored = true;
+  } else {
+    return false;
+  }
+  return *b == 16 || *b == 32;
+}
+
+// What the errors say the scale panels must be.
+constexpr const char* kScaleShapes =
+    " [N/32, K/B, 32] f32 or factored [N/32, (K/256)(4 + 256/B), 32] s8, with B 16 or 32";
 
 // q panels of nibbles: two q in [0, 15] to a byte.
 using U4Panels = ffi::Buffer<ffi::U8, 3>;
 
 // QPanels is S8Panels (a byte per q) or U4Panels (nibbles: K/2 rows).
 template <typename QPanels>
-ffi::Error GemmBlkAny(const char* name, ffi::ThreadPool& pool, Matrix& x, QPanels& q, Panels& s,
-                      Panels* o, ffi::Result<Matrix>& y) {
+ffi::Error GemmBlkAny(const char* name, ffi::ThreadPool& pool, Matrix& x, QPanels& q,
+                      ffi::AnyBuffer& s, ffi::AnyBuffer* o, ffi::Result<Matrix>& y) {
   constexpr bool kNibbles = std::is_same<QPanels, U4Panels>::value;
   using Q = std::conditional_t<kNibbles, uint8_t, int8_t>;
   const auto xd = x.dimensions();
   const auto qd = q.dimensions();
-  const auto sd = s.dimensions();
   const auto yd = y->dimensions();
-  const int64_t blocks = sd[1];
+  int64_t b = 0, ob = 0;
+  bool factored = false, o_factored = false;
   const bool q_rows = kNibbles ? qd[1] * 2 == xd[1] : qd[1] == xd[1];
   bool ok = q_rows && qd[2] == kPanel && yd[0] == xd[0] && yd[1] == qd[0] * kPanel &&
-            sd[0] == qd[0] && sd[2] == kPanel && blocks > 0 && xd[1] % blocks == 0 &&
-            (xd[1] / blocks == 16 || xd[1] / blocks == 32);
+            ScaleForm(s, qd[0], xd[1], &b, &factored);
   if (o != nullptr) {
-    const auto od = o->dimensions();
-    ok = ok && od[0] == sd[0] && od[1] == sd[1] && od[2] == sd[2];
+    ok = ok && ScaleForm(*o, qd[0], xd[1], &ob, &o_factored) && ob == b &&
+         o_factored == factored;
   }
   if (!ok) {
     return ffi::Error::InvalidArgument(
         std::string(name) + ": expected x [M, K] f32, q " +
         (kNibbles ? "[N/32, K/2, 32] u8" : "[N/32, K, 32] s8") + ", s" +
-        (o != nullptr ? " and o" : "") + " [N/32, K/B, 32] f32 with B 16 or 32, y [M, N]");
+        (o != nullptr ? " and o (alike)" : "") + kScaleShapes + ", y [M, N]");
   }
-  const float* op = o != nullptr ? o->typed_data() : nullptr;
-  const std::vector<BlkPart<Q>> parts = {
-      {reinterpret_cast<const Q*>(q.typed_data()), s.typed_data(), op, qd[0], 0}};
-  RunBlkParts(pool, x.typed_data(), parts, xd[0], xd[1], xd[1] / blocks, o != nullptr,
+  const std::vector<BlkPart<Q>> parts = {{reinterpret_cast<const Q*>(q.typed_data()),
+                                          s.untyped_data(),
+                                          o != nullptr ? o->untyped_data() : nullptr, qd[0], 0}};
+  RunBlkParts(pool, x.typed_data(), parts, xd[0], xd[1], b, o != nullptr, factored,
               y->typed_data());
   return ffi::Error::Success();
 }
 
-ffi::Error GemmBlk(ffi::ThreadPool pool, Matrix x, S8Panels q, Panels s, Panels o,
+ffi::Error GemmBlk(ffi::ThreadPool pool, Matrix x, S8Panels q, ffi::AnyBuffer s, ffi::AnyBuffer o,
                    ffi::Result<Matrix> y) {
   return GemmBlkAny("jspec_gemm_blk", pool, x, q, s, &o, y);
 }
 
-ffi::Error GemmBlkSym(ffi::ThreadPool pool, Matrix x, S8Panels q, Panels s, ffi::Result<Matrix> y) {
+ffi::Error GemmBlkSym(ffi::ThreadPool pool, Matrix x, S8Panels q, ffi::AnyBuffer s,
+                      ffi::Result<Matrix> y) {
   return GemmBlkAny("jspec_gemm_blk_sym", pool, x, q, s, nullptr, y);
 }
 
-ffi::Error GemmBlk4(ffi::ThreadPool pool, Matrix x, U4Panels q, Panels s, Panels o,
-                    ffi::Result<Matrix> y) {
+ffi::Error GemmBlk4(ffi::ThreadPool pool, Matrix x, U4Panels q, ffi::AnyBuffer s,
+                    ffi::AnyBuffer o, ffi::Result<Matrix> y) {
   return GemmBlkAny("jspec_gemm_blk4", pool, x, q, s, &o, y);
 }
 
-ffi::Error GemmBlk4Sym(ffi::ThreadPool pool, Matrix x, U4Panels q, Panels s,
+ffi::Error GemmBlk4Sym(ffi::ThreadPool pool, Matrix x, U4Panels q, ffi::AnyBuffer s,
                        ffi::Result<Matrix> y) {
   return GemmBlkAny("jspec_gemm_blk4_sym", pool, x, q, s, nullptr, y);
 }
@@ -1175,10 +1259,10 @@ ffi::Error GemmBlkLayerAny(const char* name, ffi::ThreadPool& pool, Matrix& x, L
   }
   auto q = weights.get<QPanels>(i);
   if (!q.has_value()) return q.error();
-  auto s = weights.get<Panels>(layers + i);
+  auto s = weights.get<ffi::AnyBuffer>(layers + i);
   if (!s.has_value()) return s.error();
   if (kParts == 2) return GemmBlkAny(name, pool, x, *q, *s, nullptr, y);
-  auto o = weights.get<Panels>(2 * layers + i);
+  auto o = weights.get<ffi::AnyBuffer>(2 * layers + i);
   if (!o.has_value()) return o.error();
   return GemmBlkAny(name, pool, x, *q, *s, &*o, y);
 }
@@ -1239,41 +1323,43 @@ ffi::Error GemmBlkManyAny(ffi::ThreadPool& pool, Matrix& x, int64_t i,
   const auto yd = y->dimensions();
   std::vector<BlkPart<Q>> parts;
   int64_t col = 0, b = 0;
+  bool factored = false;
   for (int64_t j = 0; j < count; ++j) {
     const int64_t first = base + j * per * layers;
     auto q = weights.get<QPanels>(first + i);
     if (!q.has_value()) return q.error();
-    auto s = weights.get<Panels>(first + layers + i);
+    auto s = weights.get<ffi::AnyBuffer>(first + layers + i);
     if (!s.has_value()) return s.error();
     const auto qd = q->dimensions();
-    const auto sd = s->dimensions();
-    const int64_t blocks = sd[1];
+    int64_t pb = 0, ob = 0;
+    bool pf = false, of = false;
     bool ok = (kNibbles ? qd[1] * 2 == xd[1] : qd[1] == xd[1]) && qd[2] == kPanel &&
-              sd[0] == qd[0] && sd[2] == kPanel && blocks > 0 && xd[1] % blocks == 0 &&
-              (xd[1] / blocks == 16 || xd[1] / blocks == 32) && (j == 0 || xd[1] / blocks == b);
-    const float* op = nullptr;
+              ScaleForm(*s, qd[0], xd[1], &pb, &pf) && (j == 0 || (pb == b && pf == factored));
+    const void* op = nullptr;
     if (offsets) {
-      auto o = weights.get<Panels>(first + 2 * layers + i);
+      auto o = weights.get<ffi::AnyBuffer>(first + 2 * layers + i);
       if (!o.has_value()) return o.error();
-      const auto od = o->dimensions();
-      ok = ok && od[0] == sd[0] && od[1] == sd[1] && od[2] == sd[2];
-      op = o->typed_data();
+      ok = ok && ScaleForm(*o, qd[0], xd[1], &ob, &of) && ob == pb && of == pf;
+      op = o->untyped_data();
     }
     if (!ok) {
       return ffi::Error::InvalidArgument(
           name + ": part " + std::to_string(j) + ": expected x [M, K] f32, q " +
-          (kNibbles ? "[N/32, K/2, 32] u8" : "[N/32, K, 32] s8") + ", s" + (offsets ? " and o" : "") +
-          " [N/32, K/B, 32] f32 with B 16 or 32, the same B in every part");
+          (kNibbles ? "[N/32, K/2, 32] u8" : "[N/32, K, 32] s8") + ", s" +
+          (offsets ? " and o (alike)" : "") + kScaleShapes +
+          ", the same B and scale form in every part");
     }
-    b = xd[1] / blocks;
-    parts.push_back({reinterpret_cast<const Q*>(q->typed_data()), s->typed_data(), op, qd[0], col});
+    b = pb;
+    factored = pf;
+    parts.push_back({reinterpret_cast<const Q*>(q->typed_data()), s->untyped_data(), op, qd[0],
+                     col});
     col += qd[0] * kPanel;
   }
   if (yd[0] != xd[0] || yd[1] != col) {
     return ffi::Error::InvalidArgument(name + ": expected y [M, " + std::to_string(col) +
                                        "], the parts' columns side by side");
   }
-  RunBlkParts(pool, x.typed_data(), parts, xd[0], xd[1], b, offsets, y->typed_data());
+  RunBlkParts(pool, x.typed_data(), parts, xd[0], xd[1], b, offsets, factored, y->typed_data());
   return ffi::Error::Success();
 }
 
@@ -1360,8 +1446,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlk, GemmBlk,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
                                   .Arg<S8Panels>()
-                                  .Arg<Panels>()
-                                  .Arg<Panels>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<Matrix>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlkSym, GemmBlkSym,
@@ -1369,7 +1455,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlkSym, GemmBlkSym,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
                                   .Arg<S8Panels>()
-                                  .Arg<Panels>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<Matrix>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlkLayer, GemmBlkLayer,
@@ -1393,8 +1479,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlk4, GemmBlk4,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
                                   .Arg<U4Panels>()
-                                  .Arg<Panels>()
-                                  .Arg<Panels>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<Matrix>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlk4Sym, GemmBlk4Sym,
@@ -1402,7 +1488,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlk4Sym, GemmBlk4Sym,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
                                   .Arg<U4Panels>()
-                                  .Arg<Panels>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<Matrix>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlk4Layer, GemmBlk4Layer,

@@ -597,10 +597,144 @@ def build(source: pathlib.Path = SOURCE) -> pathlib.Path:
 
 BLOCK_SIZES = (16, 32)  # weights per scale that `jspec_gemm_blk` takes
 NIBBLE_MAX = 15  # q in [0, NIBBLE_MAX] (Q4_K, Q4_1, Q2_K) is stored two to a byte
+SUPER = 256  # inputs per super-block of factored scales (a K-quant's d)
+D_ROWS = 4  # panel rows of bytes that hold a super-block's 32 float32 d
+# Scale pivots tried first by `factor_scales`, the ones k-quant quantizers
+# give a super-block's largest scale (Q4_K's 6-bit 63, Q6_K's -128); every
+# other int8 follows.
+_PIVOTS = (63, -128, 127, 31, 15, -32, -64)
+
+
+def factor_scales(scale: np.ndarray, block: int) -> Optional[tuple[np.ndarray, np.ndarray]]:
+  """Block scales as d * sc exactly: a float32 d per `SUPER` inputs and an int8 sc per block.
+
+  A K-quant defines each block's scale as the float32 product of its
+  super-block's float16 d and a small integer (Q4_K: d * sc, sc in [0, 63],
+  and its offsets -(dmin * m)); stored so, the scales take a byte per block
+  instead of four. Found from the float scales alone: the largest scale of a
+  super-block is d * n for its own integer n, so d = scale / n exactly for
+  the right n, tried over every int8 n; any (d, sc) whose products give every
+  scale's bits is as good as the file's.
+
+  Args:
+    scale: [N, J] float32 block scales (or offsets), J blocks of `block` inputs.
+    block: inputs per block.
+
+  Returns:
+    (sc [N, J] int8, d [N, J * block / SUPER] float32) with
+    float32(d[n, j // R] * sc[n, j]) bitwise scale[n, j] (R = SUPER / block),
+    or None where the inputs are not whole super-blocks or some super-block
+    has no such factors.
+  """
+  scale = np.asarray(scale, np.float32)
+  n, j = scale.shape
+  if block <= 0 or SUPER % block or (j * block) % SUPER:
+    return None
+  r = SUPER // block
+  groups = scale.reshape(n * j // r, r)  # [G, R]
+  pivot = groups[np.arange(groups.shape[0]), np.argmax(np.abs(groups), axis=1)]  # [G]
+  d = np.zeros(groups.shape[0], np.float32)
+  sc = np.zeros(groups.shape, np.int8)
+  todo = np.flatnonzero(pivot != 0)
+  zero = np.flatnonzero(pivot == 0)  # every scale of the group is +-0: +0 times +-1
+  sc[zero] = np.where(np.signbit(groups[zero]), -1, 1)
+  tries = list(_PIVOTS) + [m for m in range(-128, 128) if m and m not in _PIVOTS]
+  with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+    for m in tries:
+      if not todo.size:
+        break
+      cand = pivot[todo] / np.float32(m)  # [T]
+      ratio = groups[todo] / cand[:, None]  # [T, R]
+      ints = np.rint(ratio)
+      ok = (np.abs(ints) <= 127) | (ints == -128)
+      ints = np.where(ok, ints, 0).astype(np.int8)
+      back = cand[:, None] * ints.astype(np.float32)
+      ok &= back.view(np.uint32) == groups[todo].view(np.uint32)
+      good = ok.all(axis=1)
+      d[todo[good]] = cand[good]
+      sc[todo[good]] = ints[good]
+      todo = todo[~good]
+  back = d[:, None] * sc.astype(np.float32)
+  if todo.size or not np.array_equal(back.view(np.uint32), groups.view(np.uint32)):
+    return None
+  return sc.reshape(n, j), d.reshape(n, j // r)
+
+
+def pack_factored(sc: jax.Array, d: jax.Array) -> jax.Array:
+  """Factored scales (`factor_scales`) as the block kernel's scale panels.
+
+  Args:
+    sc: [N, J] int8, N a multiple of `PANEL`.
+    d: [N, G] float32, J a multiple of G.
+
+  Returns:
+    [N/32, G (4 + R), 32] int8 with R = J / G: super-block g's rows are its
+    32 columns' d as float32 bytes (4 rows), then sc[32p + c, gR + i] at
+    row 4 + i, column c (`jspec_gemm_blk`'s factored form).
+  """
+  n, j = sc.shape
+  g = d.shape[1]
+  r = j // g
+  sc_p = _pack(jnp.asarray(sc).T).reshape(n // PANEL, g, r, PANEL)  # [P, G, R, 32]
+  d_bytes = jax.lax.bitcast_convert_type(_pack(jnp.asarray(d, jnp.float32).T), jnp.int8)
+  d_rows = d_bytes.reshape(n // PANEL, g, D_ROWS, PANEL)  # [P, G, 32, 4] bytes -> [P, G, 4, 32]
+  return jnp.concatenate([d_rows, sc_p], axis=2).reshape(n // PANEL, g * (D_ROWS + r), PANEL)
+
+
+def is_factored(spanels) -> bool:
+  """Whether block scale panels (an array or a `LayerPick`) are factored int8 (`pack_factored`)."""
+  return jnp.dtype(spanels.dtype) == jnp.int8
+
+
+def block_size(k: int, spanels) -> int:
+  """B, inputs per block, of scale panels over K inputs, in either form."""
+  rows = spanels.shape[1]
+  if not is_factored(spanels):
+    return k // rows
+  if k % SUPER or rows % (k // SUPER) or rows // (k // SUPER) <= D_ROWS:
+    raise ValueError(f"factored scale panels {spanels.shape} do not fit {k} inputs")
+  return SUPER // (rows // (k // SUPER) - D_ROWS)
+
+
+def scale_values(spanels: jax.Array, k: int) -> jax.Array:
+  """Scale (or offset) panels of either form as float32 [P, K/B, 32], exactly (`pack_factored`)."""
+  if not is_factored(spanels):
+    return spanels
+  p, rows, width = spanels.shape
+  g = k // SUPER
+  r = rows // g - D_ROWS
+  parts = spanels.reshape(p, g, D_ROWS + r, width)
+  d_bytes = parts[:, :, :D_ROWS, :].reshape(p, g, width, 4)
+  d = jax.lax.bitcast_convert_type(d_bytes, jnp.float32)  # [P, G, 32]
+  sc = parts[:, :, D_ROWS:, :].astype(jnp.float32)  # [P, G, R, 32]
+  return (sc * d[:, :, None, :]).reshape(p, g * r, width)
+
+
+def scale_columns(spanels: jax.Array, k: int, p: jax.Array, c: jax.Array) -> jax.Array:
+  """The scales (or offsets) of outputs 32p + c, float32, read from panels of either form.
+
+  Args:
+    spanels: [P, K/B, 32] float32 or factored int8 (`pack_factored`).
+    k: K, the inputs.
+    p, c: [...] int32 panel and column of each output.
+
+  Returns:
+    [..., K/B] float32: only the chosen outputs' scales are widened.
+  """
+  if not is_factored(spanels):
+    return spanels[p, :, c]
+  panels, rows, width = spanels.shape
+  g = k // SUPER
+  r = rows // g - D_ROWS
+  parts = spanels.reshape(panels, g, D_ROWS + r, width)
+  sc = parts[p, :, D_ROWS:, c].astype(jnp.float32)  # [..., G, R]
+  d_bytes = parts[:, :, :D_ROWS, :].reshape(panels, g, width, 4)[p, :, c, :]  # [..., G, 4]
+  d = jax.lax.bitcast_convert_type(d_bytes, jnp.float32)  # [..., G]
+  return (sc * d[..., None]).reshape(*p.shape, g * r)
 
 
 def pack_blocks(q: jax.Array, scale: jax.Array, offset: Optional[jax.Array] = None,
-                nibbles: Optional[bool] = None
+                nibbles: Optional[bool] = None, factored: Optional[bool] = None
                 ) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
   """An int8 block matrix [out, in] as the block kernel's panels, each output column's K contiguous.
 
@@ -618,16 +752,22 @@ def pack_blocks(q: jax.Array, scale: jax.Array, offset: Optional[jax.Array] = No
     offset: [N, K / B] float32, or None.
     nibbles: True: two q to a byte (every q must be in [0, 15] and K even);
       False: one int8 q a byte; None: nibbles where they can hold q.
+    factored: True: scales (and offsets) as d * sc (`factor_scales`,
+      `pack_factored`), a K-quant's own form in a quarter of the bytes;
+      False: float32; None: factored where every scale and offset has
+      exact factors.
 
   Returns:
     (qpanels [N/32, K, 32] int8 with qpanels[p, k, c] = q[32p + c, k], or
     with nibbles [N/32, K/2, 32] uint8 (`pack_nibbles`),
     spanels [N/32, K/B, 32] float32 with spanels[p, j, c] = scale[32p + c, j],
+    or factored [N/32, (K/256)(4 + 256/B), 32] int8 (`pack_factored`),
     opanels the same for offset, or None).
 
   Raises:
     ValueError: N is not a multiple of `PANEL`, q is not int8, the scales do
-      not divide K, or nibbles were asked for q that they cannot hold.
+      not divide K, or nibbles or factors were asked for that cannot hold
+      q or the scales.
   """
   n, k = q.shape
   if n % PANEL or q.dtype != jnp.int8:
@@ -643,8 +783,21 @@ def pack_blocks(q: jax.Array, scale: jax.Array, offset: Optional[jax.Array] = No
       raise ValueError(f"cannot pack a [{n}, {k}] block matrix as nibbles: K must be even and "
                        f"every q in [0, {NIBBLE_MAX}]")
     nibbles = fits
+  factors = None
+  if factored is None or factored:
+    b = k // scale.shape[1]
+    factors = [factor_scales(np.asarray(a, np.float32), b)
+               for a in (scale, offset) if a is not None]
+    if any(f is None for f in factors):
+      if factored:
+        raise ValueError(f"cannot factor the block scales of a [{n}, {k}] matrix: every "
+                         f"{SUPER} inputs need one float d with each scale d * an int8")
+      factors = None
   qp, sp = _pack_blocks(jnp.asarray(q), jnp.asarray(scale, jnp.float32), nibbles)
   op = None if offset is None else _pack(jnp.asarray(offset, jnp.float32).T)
+  if factors:
+    sp = pack_factored(*factors[0])
+    op = None if offset is None else pack_factored(*factors[1])
   return qp, sp, op
 
 
@@ -696,11 +849,12 @@ def block_inputs(qpanels) -> int:
 
 def unpack_blocks(qpanels: jax.Array, spanels: jax.Array, opanels: Optional[jax.Array] = None
                   ) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
-  """The inverse of `pack_blocks`: (q [N, K] int8, scale [N, K/B], offset or None), new arrays."""
+  """The inverse of `pack_blocks`: (q [N, K] int8, scale [N, K/B] float32, offset or None), new arrays."""
+  k = block_inputs(qpanels)
   if is_nibbles(qpanels):
     qpanels = unpack_nibbles(qpanels)
-  return (_unpack(jnp.asarray(qpanels)).T, _unpack(jnp.asarray(spanels)).T,
-          None if opanels is None else _unpack(jnp.asarray(opanels)).T)
+  return (_unpack(jnp.asarray(qpanels)).T, _unpack(scale_values(jnp.asarray(spanels), k)).T,
+          None if opanels is None else _unpack(scale_values(jnp.asarray(opanels), k)).T)
 
 
 def widen_blocks(qpanels: jax.Array, spanels: jax.Array, opanels: Optional[jax.Array] = None
@@ -716,10 +870,11 @@ def widen_blocks(qpanels: jax.Array, spanels: jax.Array, opanels: Optional[jax.A
   if is_nibbles(qpanels):
     qpanels = unpack_nibbles(qpanels)
   p, k, width = qpanels.shape
+  spanels = scale_values(spanels, k)
   blocks = spanels.shape[1]
   w = qpanels.astype(jnp.float32).reshape(p, blocks, k // blocks, width) * spanels[:, :, None, :]
   if opanels is not None:
-    w = w + opanels[:, :, None, :]
+    w = w + scale_values(opanels, k)[:, :, None, :]
   return w.reshape(p, k, width)
 
 
@@ -737,15 +892,15 @@ def matmul_blocks(x: jax.Array, qpanels, spanels, opanels=None) -> jax.Array:
   Args:
     x: [..., K] float32 activations.
     qpanels: [N/32, K, 32] int8 or [N/32, K/2, 32] uint8 nibbles, or a `LayerPick` of such.
-    spanels: [N/32, K/B, 32] float32 (a `LayerPick` where qpanels is one).
-    opanels: [N/32, K/B, 32] float32, None, or a `LayerPick`.
+    spanels: [N/32, K/B, 32] float32 or factored int8 (`pack_factored`; a
+      `LayerPick` where qpanels is one).
+    opanels: as spanels, of the same form, or None.
 
   Returns:
     [..., N] float32.
   """
   lead, k = x.shape[:-1], x.shape[-1]
   p, _, width = qpanels.shape
-  blocks = spanels.shape[1]
   rows = x.reshape(-1, k)  # [M, K]
   picks = [w for w in (qpanels, spanels, opanels) if w is not None]
   layered = isinstance(qpanels, LayerPick)
@@ -754,7 +909,10 @@ def matmul_blocks(x: jax.Array, qpanels, spanels, opanels=None) -> jax.Array:
   if block_inputs(qpanels) != k:
     raise ValueError(f"matmul_blocks: x has {k} inputs, the q panels {qpanels.shape} "
                      f"{jnp.dtype(qpanels.dtype)} hold {block_inputs(qpanels)}")
-  if (x.dtype == jnp.float32 and k % blocks == 0 and k // blocks in BLOCK_SIZES and available()
+  if opanels is not None and is_factored(opanels) != is_factored(spanels):
+    raise ValueError("matmul_blocks: scales and offsets must be of one form, float32 or factored")
+  whole = is_factored(spanels) or k % spanels.shape[1] == 0  # blocks of B cover K
+  if (x.dtype == jnp.float32 and whole and block_size(k, spanels) in BLOCK_SIZES and available()
       and jax.default_backend() == "cpu"):
     if is_nibbles(qpanels):
       target = TARGET_BLK4 if opanels is not None else TARGET_BLK4_SYM
@@ -777,13 +935,16 @@ def matmul_blocks(x: jax.Array, qpanels, spanels, opanels=None) -> jax.Array:
 
 
 def blocks_form(qpanels, spanels, opanels=None) -> tuple:
-  """What one `jspec_gemm_blk_many` call needs its matrices to share: (K, B, nibbles, offsets, layers).
+  """What one `jspec_gemm_blk_many` call needs its matrices to share.
 
-  layers is the `LayerPick`'s count, 0 for an array.
+  Returns:
+    (K, B, nibbles, offsets, layers, factored): layers is the `LayerPick`'s
+    count, 0 for an array; factored whether the scales are `pack_factored`'s.
   """
   k = block_inputs(qpanels)
   layers = len(qpanels.weights) if isinstance(qpanels, LayerPick) else 0
-  return (k, k // spanels.shape[1], is_nibbles(qpanels), opanels is not None, layers)
+  return (k, block_size(k, spanels), is_nibbles(qpanels), opanels is not None, layers,
+          is_factored(spanels))
 
 
 def matmul_blocks_many(x: jax.Array, parts) -> list[jax.Array]:
@@ -809,7 +970,7 @@ def matmul_blocks_many(x: jax.Array, parts) -> list[jax.Array]:
   if not (len(parts) > 1 and len(forms) == 1 and x.dtype == jnp.float32 and available()
           and jax.default_backend() == "cpu"):
     return [matmul_blocks(x, *part) for part in parts]
-  k_form, b, nibbles, offsets, layers = forms.pop()
+  k_form, b, nibbles, offsets, layers, _ = forms.pop()
   if k_form != k:
     raise ValueError(f"matmul_blocks_many: x has {k} inputs, the q panels hold {k_form}")
   if b not in BLOCK_SIZES:

@@ -45,7 +45,7 @@ from jspec import program_store
 from jspec import weights
 
 FORMAT = "jspec-prepared"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: k-quant block scales factored (`cpu_kernels.pack_factored`)
 ALIGN = 64  # bytes: XLA's CPU client aliases host memory aligned to this, and copies otherwise
 
 # Typed leaves the tree may name; anything else in a file is refused.

@@ -109,19 +109,21 @@ class Int8Panels:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-  """A matrix as the checkpoint stores it: int8 values, a float32 scale (and offset) per block.
+  """A matrix as the checkpoint stores it: int8 values, a scale (and offset) per block.
 
   W[k, n] = scale[n, k // B] * q[n, k] + offset[n, k // B], each product and
   sum rounded in float32 as the checkpoint's own dequantizer does, so it
   holds a GGUF k-quant's numbers exactly (`convert.gguf_blocks`), in about
   a quarter of float32's bytes; laid out as the block kernel's panels.
   Where every q is in [0, 15] (4-bit k-quants) q is uint8 with two q to a
-  byte (`cpu_kernels.pack_nibbles`): q's dtype says which.
+  byte (`cpu_kernels.pack_nibbles`): q's dtype says which. Where the scales
+  are a k-quant's d * sc, they are stored so (`cpu_kernels.pack_factored`):
+  the scale's dtype says which.
   """
 
   q: Any  # [O/32, I, 32] int8 or [O/32, I/2, 32] uint8 nibbles (or a `cpu_kernels.LayerPick`)
-  scale: Any  # [O/32, I/B, 32] float32
-  offset: Any = None  # [O/32, I/B, 32] float32, or None for symmetric types
+  scale: Any  # [O/32, I/B, 32] float32, or factored [O/32, (I/256)(4 + 256/B), 32] int8
+  offset: Any = None  # as scale, of the same form, or None for symmetric types
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -131,7 +133,7 @@ class Blocks:
   @property
   def block(self) -> int:
     """B: inputs per scale."""
-    return self.shape[0] // self.scale.shape[1]
+    return cpu_kernels.block_size(self.shape[0], self.scale)
 
 
 @jax.tree_util.register_dataclass
@@ -273,10 +275,10 @@ def lookup(w: Leaf, ids: jax.Array) -> jax.Array:
     if cpu_kernels.is_nibbles(w.q):
       q = jnp.stack([q & 15, q >> 4], axis=-1).reshape(*q.shape[:-1], -1)  # [..., I]
     q = q.astype(jnp.float32)
-    scale = w.scale[p, :, c]  # [..., I/B]
+    scale = cpu_kernels.scale_columns(w.scale, w.shape[0], p, c)  # [..., I/B]
     blocked = q.reshape(*q.shape[:-1], scale.shape[-1], -1) * scale[..., None]  # [..., I/B, B]
     if w.offset is not None:  # rounded after the product, as the checkpoint's dequantizer
-      blocked = blocked + w.offset[p, :, c][..., None]
+      blocked = blocked + cpu_kernels.scale_columns(w.offset, w.shape[0], p, c)[..., None]
     return blocked.reshape(q.shape)
   if isinstance(w, BF16Panels):
     return w.p[ids // PANEL, :, ids % PANEL].astype(jnp.float32)
@@ -345,7 +347,8 @@ def to_panels(w: Leaf) -> Leaf:
   raise TypeError(f"cannot store a {type(w).__name__} weight in float panels")
 
 
-def blocks(q, scale, offset=None, nibbles: Optional[bool] = None) -> Leaf:
+def blocks(q, scale, offset=None, nibbles: Optional[bool] = None,
+           factored: Optional[bool] = None) -> Leaf:
   """A checkpoint's int8 blocks ([out, in], `convert.gguf_blocks.Blocks`' arrays) as a leaf.
 
   Args:
@@ -354,6 +357,8 @@ def blocks(q, scale, offset=None, nibbles: Optional[bool] = None) -> Leaf:
     offset: [O, I/B] float32, or None.
     nibbles: q two to a byte: None where every q is in [0, 15], or always
       (True) or never (False); see `cpu_kernels.pack_blocks`.
+    factored: scales as d * sc (`cpu_kernels.factor_scales`): None where
+      they have exact factors, or always (True) or never (False).
 
   Returns:
     A `Blocks` leaf, or (outputs not a multiple of 32) the `Dense` matrix
@@ -365,7 +370,8 @@ def blocks(q, scale, offset=None, nibbles: Optional[bool] = None) -> Leaf:
     if offset is not None:
       w = w + offset[:, :, None]
     return dense(w.reshape(q.shape).T)
-  return Blocks(*jax.block_until_ready(cpu_kernels.pack_blocks(q, scale, offset, nibbles)))
+  return Blocks(*jax.block_until_ready(cpu_kernels.pack_blocks(q, scale, offset, nibbles,
+                                                                factored)))
 
 
 def to_bf16_panels(w: Leaf) -> Leaf:
