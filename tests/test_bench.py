@@ -621,8 +621,8 @@ def test_fuse_gate_up_gives_the_separate_calls_numbers():
 
 def test_kernel_rate_times_streamed_and_cached_calls_of_each_form():
   from bench.tools import kernel_rate
-  got = kernel_rate.measure(d=64, f=96, layers=2, cached_outputs=32, calls=3, reps=2)
-  assert set(got) == {"4bit", "int8"}
+  got = kernel_rate.measure(d=256, f=96, layers=2, cached_outputs=32, calls=3, reps=2)
+  assert set(got) == {"4bit", "int8", "q4k", "q4k_float"}
   for form in got.values():
     assert form["stream"]["bytes_per_call"] > form["cached"]["bytes_per_call"] > 0
     assert min(form[k]["ms_per_call"] for k in ("stream", "cached")) > 0
@@ -630,6 +630,9 @@ def test_kernel_rate_times_streamed_and_cached_calls_of_each_form():
         form["stream"]["weights_per_ns"] / form["cached"]["weights_per_ns"])
   # 4-bit q read half the bytes of int8's for the same weights (plus scales and offsets)
   assert got["4bit"]["stream"]["bytes_per_call"] < got["int8"]["stream"]["bytes_per_call"]
+  # Q4_K's factored scales and offsets: 3/32 of a byte a weight instead of 1/4
+  assert got["q4k"]["stream"]["bytes_per_call"] == 96 * 256 * (0.5 + 3 / 32)
+  assert got["q4k_float"]["stream"]["bytes_per_call"] == 96 * 256 * 0.75
 
 
 def test_compare_rotates_configurations_and_flags_unequal_ids(tmp_path, capsys):

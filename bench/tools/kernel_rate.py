@@ -1,14 +1,24 @@
 """Is the one-row block kernel bound by memory or by its own instructions? The same calls, read from memory and from cache.
 
     python -m bench.tools.kernel_rate [--dims 1536,8960] [--cached-outputs 1024] [--reps 15]
+        [--forms 4bit,int8,q4k,q4k_float]
 
 A decode step multiplies one row by every weight once, so its kernels
 should read at the memory bandwidth. The exact target's 4-bit matrices
 (gate and up, Q4_K two q to a byte) read at less. This times one row
-through chains of one-row `weights.dot` calls of one stored form ("4bit":
-Q4_K's, q two to a byte with a scale and offset per 32; "int8": q a byte
-each with a scale per 32, `weights.to_int8_blocks`) in one process,
-alternated rep by rep:
+through chains of one-row `weights.dot` calls of one stored form in one
+process, alternated rep by rep. The forms:
+
+  4bit        q two to a byte with a float32 scale and offset per 32
+              (`weights.to_int4_blocks`);
+  int8        q a byte each with a scale per 32 (`weights.to_int8_blocks`);
+  q4k         Q4_K's numbers as a GGUF file defines them (a float16 d and
+              dmin per 256, 6-bit sc and m per 32), stored as jspec stores
+              them: q two to a byte, the scales factored
+              (`cpu_kernels.pack_factored`);
+  q4k_float   the same numbers with float32 scales and offsets.
+
+The chains:
 
   stream  --layers distinct [D, F] matrices (the real layer's shape), one
           call each: every weight comes from memory, as in a decode step;
@@ -35,7 +45,23 @@ import numpy as np
 
 from jspec import weights
 
-FORMS = {"4bit": weights.to_int4_blocks, "int8": weights.to_int8_blocks}
+
+
+def _q4k(w: weights.Dense, factored: bool) -> weights.Leaf:
+  """Random Q4_K numbers of w's shape: d * sc * q - dmin * m, per 32 of a super-block of 256."""
+  i, o = w.shape
+  rng = np.random.default_rng(i * 7 + o)
+  q = rng.integers(0, 16, (o, i), dtype=np.int8)
+  d, dmin = (rng.uniform(1e-4, 1e-3, (o, i // 256)).astype(np.float16).astype(np.float32)
+             for _ in range(2))
+  sc, m = (rng.integers(0, 64, (o, i // 32)).astype(np.float32) for _ in range(2))
+  scale = np.repeat(d, 8, axis=1) * sc
+  offset = -(np.repeat(dmin, 8, axis=1) * m)
+  return weights.blocks(q, scale, offset, factored=factored)
+
+
+FORMS = {"4bit": weights.to_int4_blocks, "int8": weights.to_int8_blocks,
+         "q4k": lambda w: _q4k(w, True), "q4k_float": lambda w: _q4k(w, False)}
 
 
 def _chain(ws: list, reps_per_matrix: int, d: int):
@@ -115,7 +141,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   ap.add_argument("--cached-outputs", type=int, default=1024)
   ap.add_argument("--calls", type=int, default=200)
   ap.add_argument("--reps", type=int, default=15)
+  ap.add_argument("--forms", default=",".join(FORMS), help=f"some of {','.join(FORMS)}")
   args = ap.parse_args(argv)
+  forms = tuple(v for v in args.forms.split(",") if v)
+  if not forms or any(v not in FORMS for v in forms):
+    ap.error(f"--forms {args.forms!r}: expected some of {','.join(FORMS)}")
   try:
     d, f = (int(v) for v in args.dims.split(","))
   except ValueError:
@@ -123,7 +153,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if min(d, f, args.layers, args.cached_outputs, args.calls, args.reps) < 1 or any(
       v % 32 for v in (d, f, args.cached_outputs)):
     ap.error("every count must be at least 1, and D, F and --cached-outputs multiples of 32")
-  print(json.dumps(measure(d, f, args.layers, args.cached_outputs, args.calls, args.reps)))
+  if "q4k" in args.forms and (d % 256 or (d * f) % 256):
+    ap.error("the q4k forms need D a multiple of 256")
+  print(json.dumps(measure(d, f, args.layers, args.cached_outputs, args.calls, args.reps,
+                           forms)))
   return 0
 
 
