@@ -1,12 +1,12 @@
 """jspec's int8 block (and bfloat16) kernels against its fp32 kernel on the 1.5B target's matrices.
 
     python -m bench.tools.block_kernel [--m 1,3,5,9,17] [--reps 7] [--breakdown 1]
-                                       [--forms blk,blk4,f32,bf16] [--layers 28] [--json OUT]
+                                       [--forms blk,blk4,blk4f,f32,bf16] [--layers 28] [--json OUT]
 
 Times, in one process, the products of one forward of the 1.5B target
 (Qwen2.5-Coder-1.5B: 28 layers of q [1536->1536], k, v [1536->256],
 o [1536->1536], gate, up [1536->8960], down [8960->1536], then the head
-[1536->151936]) with random weights in up to four forms:
+[1536->151936]) with random weights in up to five forms:
 
   blk   int8 block panels (`cpu_kernels.pack_blocks` layout), as the GGUF
         file defines them: Q4_K (B 32, scales and offsets, q in [0, 15])
@@ -16,6 +16,9 @@ o [1536->1536], gate, up [1536->8960], down [8960->1536], then the head
   blk4  the same, with q two to a byte (`cpu_kernels.pack_nibbles`) where
         every layer of a kind is Q4_K (q, k, o, gate, up), as the target is
         prepared (`jspec.weights.uniform` keeps v and down a byte per q).
+  blk4f blk4 with every scale and offset factored as the k-quant stores
+        them (a float d per 256 inputs and an int8 per block,
+        `cpu_kernels.pack_factored`), as the target is prepared now.
   f32   the same weights widened to float32 panels (`cpu_kernels.pack`
         layout); `cpu_kernels.matmul`. The baseline.
   bf16  those rounded to bfloat16 panels; `cpu_kernels.matmul_bf16`.
@@ -36,7 +39,7 @@ that rep's read. The load average before and after is printed too.
 Per M it prints each form's median ms, the GB/s of weight bytes actually
 read (blk: q + scales + offsets; f32: 4 bytes a weight; bf16: 2), that
 rate's fraction of the roof and its rep fraction, and the median of the
-paired speedups over f32 (blk4 also over blk, "/blk"). With --breakdown M it also times each matrix kind
+paired speedups over f32 (blk4 also over blk, "/blk"; blk4f over blk4, "/blk4"). With --breakdown M it also times each matrix kind
 alone at those M (all layers' copies of it in one program), to show where
 the time goes.
 """
@@ -57,7 +60,7 @@ from bench import shapes
 from jspec import cpu_kernels
 
 KINDS = ("q", "k", "v", "o", "gate", "up", "down")
-FORMS = ("blk", "blk4", "f32", "bf16")
+FORMS = ("blk", "blk4", "blk4f", "f32", "bf16")
 NIBBLE_KINDS = ("q", "k", "o", "gate", "up")  # Q4_K in every layer of the Q4_K_M file
 READ_BYTES = 1 << 30  # each rep's read (`_Reads`)
 
@@ -79,21 +82,42 @@ def _gguf_form(kind: str, layer: int) -> tuple[int, bool]:
 
 def _blocks(key, k: int, n: int, block: int, offsets: bool):
   """Random int8 block panels of a [K, N] weight: (qpanels, spanels, opanels or None)."""
-  kq, ks, ko = jax.random.split(key, 3)
+  kq, ks, ko, kd = jax.random.split(key, 4)
   p = n // cpu_kernels.PANEL
   low, high = (0, 16) if offsets else (-32, 32)  # Q4_K's range, Q6_K's
   q = jax.random.randint(kq, (p, k, cpu_kernels.PANEL), low, high, jnp.int8)
-  s = jax.random.uniform(ks, (p, k // block, cpu_kernels.PANEL), jnp.float32, 1e-3, 2e-3)
-  o = (jax.random.uniform(ko, s.shape, jnp.float32, -4e-3, 0.0) if offsets else None)
+  # scale d * sc as the k-quants define them: a float16 d per 256 inputs,
+  # an integer sc per block (Q4_K's 6 bits, Q6_K's 8), so blk4f can factor them
+  d = jax.random.uniform(kd, (p, k // 256, 1, cpu_kernels.PANEL), jnp.float32, 1e-5, 3e-5)
+  d = d.astype(jnp.float16).astype(jnp.float32)
+  sc_low, sc_high = (32, 64) if offsets else (64, 128)
+  per = 256 // block
+  s = (d * jax.random.randint(ks, (p, k // 256, per, cpu_kernels.PANEL), sc_low, sc_high)
+       ).reshape(p, k // block, cpu_kernels.PANEL)
+  o = (-(d * jax.random.randint(ko, (p, k // 256, per, cpu_kernels.PANEL), 0, 64)
+         ).reshape(s.shape) if offsets else None)
   return q, s, o
+
+
+def _factored(panels, block: int, k: int):
+  """Float scale panels [P, K/B, 32] as `cpu_kernels.pack_factored` panels of the same numbers."""
+  rows = np.asarray(cpu_kernels.unpack(panels)).T  # [N, K/B]
+  factors = cpu_kernels.factor_scales(rows, block)
+  if factors is None:
+    raise ValueError("block_kernel: the random scales did not factor")
+  return cpu_kernels.pack_factored(*factors)
 
 
 def _weights(cfg, layers: int, key, forms) -> dict:
   """{form: {"layers": [{kind: weight}], "head": weight}} for each form."""
   specs = _layer_specs(cfg)
   widen, nibbles = jax.jit(cpu_kernels.widen_blocks), jax.jit(cpu_kernels.pack_nibbles)
+  four = lambda kind, b: (nibbles(b[0]), *b[1:]) if kind in NIBBLE_KINDS else b
   convert = {"blk": lambda kind, b: b,
-             "blk4": lambda kind, b: (nibbles(b[0]), *b[1:]) if kind in NIBBLE_KINDS else b,
+             "blk4": four,
+             "blk4f": lambda kind, b: (four(kind, b)[0],) + tuple(
+                 None if a is None else _factored(a, b[0].shape[1] // a.shape[1], b[0].shape[1])
+                 for a in b[1:]),
              "f32": lambda kind, b: widen(*b),
              "bf16": lambda kind, b: widen(*b).astype(jnp.bfloat16)}
   out = {f: {"layers": []} for f in forms}
@@ -114,7 +138,7 @@ def _weights(cfg, layers: int, key, forms) -> dict:
 
 
 def _matmul(form: str):
-  if form in ("blk", "blk4"):
+  if form in ("blk", "blk4", "blk4f"):
     return lambda x, w: cpu_kernels.matmul_blocks(x, *w)
   return cpu_kernels.matmul_bf16 if form == "bf16" else cpu_kernels.matmul
 
@@ -211,6 +235,9 @@ def _row(label: str, times: dict, nbytes: dict, roof: float, forms) -> dict:
     if f == "blk4" and "blk" in forms:
       out[f]["over_blk"] = float(np.median(np.array(times["blk"]) / t))
       text += f" {out[f]['over_blk']:4.2f}x/blk"
+    if f == "blk4f" and "blk4" in forms:
+      out[f]["over_blk4"] = float(np.median(np.array(times["blk4"]) / t))
+      text += f" {out[f]['over_blk4']:4.2f}x/blk4"
     parts.append(text)
   print(f"{label:>7s} read {out['read_gbs']:5.2f} | " + " | ".join(parts), flush=True)
   return out
