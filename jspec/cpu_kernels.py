@@ -696,18 +696,22 @@ def block_size(k: int, spanels) -> int:
   return SUPER // (rows // (k // SUPER) - D_ROWS)
 
 
+def _factored_parts(spanels: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """Factored scale panels over K inputs as (d [P, G, 32] float32, sc [P, G, R, 32] int8)."""
+  p, rows, width = spanels.shape
+  g = k // SUPER
+  parts = spanels.reshape(p, g, rows // g, width)  # [P, G, 4 + R, 32]
+  d_bytes = parts[:, :, :D_ROWS, :].reshape(p, g, width, 4)
+  return jax.lax.bitcast_convert_type(d_bytes, jnp.float32), parts[:, :, D_ROWS:, :]
+
+
 def scale_values(spanels: jax.Array, k: int) -> jax.Array:
   """Scale (or offset) panels of either form as float32 [P, K/B, 32], exactly (`pack_factored`)."""
   if not is_factored(spanels):
     return spanels
-  p, rows, width = spanels.shape
-  g = k // SUPER
-  r = rows // g - D_ROWS
-  parts = spanels.reshape(p, g, D_ROWS + r, width)
-  d_bytes = parts[:, :, :D_ROWS, :].reshape(p, g, width, 4)
-  d = jax.lax.bitcast_convert_type(d_bytes, jnp.float32)  # [P, G, 32]
-  sc = parts[:, :, D_ROWS:, :].astype(jnp.float32)  # [P, G, R, 32]
-  return (sc * d[:, :, None, :]).reshape(p, g * r, width)
+  d, sc = _factored_parts(spanels, k)  # [P, G, 32], [P, G, R, 32]
+  p, g, r, width = sc.shape
+  return (sc.astype(jnp.float32) * d[:, :, None, :]).reshape(p, g * r, width)
 
 
 def scale_columns(spanels: jax.Array, k: int, p: jax.Array, c: jax.Array) -> jax.Array:
@@ -723,14 +727,9 @@ def scale_columns(spanels: jax.Array, k: int, p: jax.Array, c: jax.Array) -> jax
   """
   if not is_factored(spanels):
     return spanels[p, :, c]
-  panels, rows, width = spanels.shape
-  g = k // SUPER
-  r = rows // g - D_ROWS
-  parts = spanels.reshape(panels, g, D_ROWS + r, width)
-  sc = parts[p, :, D_ROWS:, c].astype(jnp.float32)  # [..., G, R]
-  d_bytes = parts[:, :, :D_ROWS, :].reshape(panels, g, width, 4)[p, :, c, :]  # [..., G, 4]
-  d = jax.lax.bitcast_convert_type(d_bytes, jnp.float32)  # [..., G]
-  return (sc * d[..., None]).reshape(*p.shape, g * r)
+  d, sc = _factored_parts(spanels, k)  # [P, G, 32], [P, G, R, 32]
+  picked = sc[p, :, :, c].astype(jnp.float32) * d[p, :, c][..., None]  # [..., G, R]
+  return picked.reshape(*p.shape, -1)
 
 
 def pack_blocks(q: jax.Array, scale: jax.Array, offset: Optional[jax.Array] = None,
@@ -793,12 +792,11 @@ def pack_blocks(q: jax.Array, scale: jax.Array, offset: Optional[jax.Array] = No
         raise ValueError(f"cannot factor the block scales of a [{n}, {k}] matrix: every "
                          f"{SUPER} inputs need one float d with each scale d * an int8")
       factors = None
-  qp, sp = _pack_blocks(jnp.asarray(q), jnp.asarray(scale, jnp.float32), nibbles)
-  op = None if offset is None else _pack(jnp.asarray(offset, jnp.float32).T)
+  qp = _pack_q(jnp.asarray(q), nibbles)
   if factors:
-    sp = pack_factored(*factors[0])
-    op = None if offset is None else pack_factored(*factors[1])
-  return qp, sp, op
+    return qp, pack_factored(*factors[0]), None if offset is None else pack_factored(*factors[1])
+  return (qp, _pack(jnp.asarray(scale, jnp.float32).T),
+          None if offset is None else _pack(jnp.asarray(offset, jnp.float32).T))
 
 
 @jax.jit
@@ -806,10 +804,10 @@ def _in_nibbles(q: jax.Array) -> jax.Array:  # [N, K] int8 -> [] bool
   return jnp.all((q >= 0) & (q <= NIBBLE_MAX))
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _pack_blocks(q: jax.Array, scale: jax.Array, nibbles: bool) -> tuple[jax.Array, jax.Array]:
-  qp = _pack(q.T)  # [N/32, K, 32]
-  return (pack_nibbles(qp) if nibbles else qp), _pack(scale.T)  # ..., [N/32, K/B, 32]
+@functools.partial(jax.jit, static_argnums=1)
+def _pack_q(q: jax.Array, nibbles: bool) -> jax.Array:  # [N, K] -> [N/32, K, 32] or nibbles
+  qp = _pack(q.T)
+  return pack_nibbles(qp) if nibbles else qp
 
 
 def is_nibbles(qpanels) -> bool:
