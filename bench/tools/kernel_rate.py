@@ -1,6 +1,6 @@
 """Is the one-row block kernel bound by memory or by its own instructions? The same calls, read from memory and from cache.
 
-    python -m bench.tools.kernel_rate [--dims 1536,8960] [--cached-outputs 1024] [--reps 15]
+    python -m bench.tools.kernel_rate [--dims 1536,8960] [--cached-outputs 4096] [--reps 15]
         [--forms 4bit,int8,q4k,q4k_float]
 
 A decode step multiplies one row by every weight once, so its kernels
@@ -24,7 +24,9 @@ The chains:
           call each: every weight comes from memory, as in a decode step;
   cached  one [D, --cached-outputs] matrix small enough for the two cores'
           caches, called --calls times: the weights come from cache, so the
-          rate is the kernel's own (its instructions), plus a call's fixed cost.
+          rate is the kernel's own (its instructions), plus a call's fixed
+          cost, which weighs on narrow calls: hence 4096 outputs by default
+          (docs/decisions-compact.md, "The Zen 5 host").
 
 For each it prints the median ms per call, weights per ns and GB/s of
 weight bytes (q, scales, offsets). Where stream's weights/ns is well below
@@ -138,8 +140,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                description=__doc__.split("\n")[0])
   ap.add_argument("--dims", default="1536,8960", help="D,F of the streamed matrices (gate's)")
   ap.add_argument("--layers", type=int, default=28)
-  ap.add_argument("--cached-outputs", type=int, default=1024)
-  ap.add_argument("--calls", type=int, default=200)
+  ap.add_argument("--cached-outputs", type=int, default=4096)
+  ap.add_argument("--calls", type=int, default=100)
   ap.add_argument("--reps", type=int, default=15)
   ap.add_argument("--forms", default=",".join(FORMS), help=f"some of {','.join(FORMS)}")
   args = ap.parse_args(argv)
