@@ -388,9 +388,12 @@ def test_a_chunked_prefill_equals_one_forward_over_the_prompt(chunk, per_row):
   whole, fresh = fwd(prompt, cache_lib.init(m.cfg, 3, 40), (lengths - 1)[:, None])
   np.testing.assert_array_equal(cache.lengths, lengths)
   chex.assert_trees_all_close(logits, whole[:, 0], atol=1e-5)
+  # The cache holds values up to about 10: chunks of other shapes sum in
+  # another order (differences up to 1.05e-5 on the Zen 5 host), while a
+  # chunk written at the wrong position differs by far more than 5e-5.
   for row, n in enumerate(lengths.tolist()):
     chex.assert_trees_all_close((cache.k[:, row, :n], cache.v[:, row, :n]),
-                                (fresh.k[:, row, :n], fresh.v[:, row, :n]), atol=1e-5)
+                                (fresh.k[:, row, :n], fresh.v[:, row, :n]), atol=5e-5)
 
 
 def test_a_batch_prefilled_row_by_row_is_bit_for_bit_each_row_prefilled_alone():
