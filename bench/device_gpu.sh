@@ -31,9 +31,12 @@
 # nvidia-smi's report. The bench writes its JSON after every prompt and
 # mode; a run stopped at BENCH_TIMEOUT_S has what it measured finalized
 # (ratios, derived figures, plots), so a cut run still brings results back.
+# Then the engine's tests on tiny models run on the GPU ($TESTS, pytest's
+# node ids; empty skips them; TESTS_TIMEOUT_S, default 150).
 # Exit status: the bench's (0, or 1 for a greedy mismatch), or 3 for a run
 # cut short and finalized (not timeout's 124, which the device tool reads as
-# the whole call having run out of time).
+# the whole call having run out of time), or 5 for a bench that passed and
+# tests that did not.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the folder for the results}
@@ -98,5 +101,25 @@ if [ "$GPUS" -ge 1 ]; then
 else
   echo "device_gpu: no GPU found; no mesh run" | tee -a "$OUT/log.txt"
 fi
+# The engine's greedy-equality and lossless tests and the one-device mesh
+# tests, on tiny models, on this machine's default device (the GPU). fp32
+# dots at full precision (JAX's GPU default is TF32, which HF's fp32
+# reference does not use); the shipped XLA flags, not the suite's CPU
+# compile-time ones. Their lines go to the log; a failure makes the exit 5.
+TESTS=${TESTS-tests/test_engine.py::test_greedy_speculative_equals_target \
+tests/test_engine.py::test_batch_rows_equal_their_single_runs tests/test_lossless.py \
+tests/test_speculative.py tests/test_mesh.py::test_a_mesh_of_one_device_runs_in_process \
+tests/test_mesh.py::test_greedy_every_method_equals_one_device[1x1]}
+read -r -a test_ids <<< "$TESTS"  # no globbing of the [1x1] in a node id
+tests_status=0
+if [ "${#test_ids[@]}" -gt 0 ]; then
+  JSPEC_TEST_XLA_OPT=1 JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    timeout --signal=INT --kill-after=20 "${TESTS_TIMEOUT_S:-150}" \
+    "$PY" -m pytest -v -p no:cacheprovider -n "${TEST_WORKERS:-8}" "${test_ids[@]}" 2>&1 | tee -a "$OUT/log.txt"
+  tests_status=${PIPESTATUS[0]}
+  echo "device_gpu: tests on $("$PY" -c 'import jax; print(jax.default_backend())' 2>/dev/null): \
+exit status $tests_status after ${SECONDS}s" | tee -a "$OUT/log.txt"
+fi
 [ "$status" = 124 ] && exit 3
+[ "$status" = 0 ] && [ "$tests_status" != 0 ] && exit 5
 exit "$status"

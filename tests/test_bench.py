@@ -239,6 +239,8 @@ def test_the_device_script_runs_the_random_weight_bench_without_gguf(tmp_path, s
   env = dict(os.environ, OUT=str(out), HISTOGRAMS=str(source), PYTHON=sys.executable,
              PYTHONPATH=str(block), JSPEC_CACHE=str(tmp_path / "cache"),
              PROMPT_SETS="quicksort quicksort,js_debounce",  # the second run resumes the first
+             TESTS="tests/test_speculative.py::test_argmax_never_picks_an_id_past_the_vocab_limit",
+             TEST_WORKERS="1",
              BENCH_ARGS=f"--smoke --device cpu --dtype float32 --gammas 2 --reps 1 --no-hf "
                         f"--bandwidth-bytes {16 << 20}")
   done = subprocess.run(["bash", str(ROOT / "bench" / "device_gpu.sh")], env=env,
@@ -251,7 +253,9 @@ def test_the_device_script_runs_the_random_weight_bench_without_gguf(tmp_path, s
   assert len(doc["runs"]) == 2  # one file, written by both runs
   assert {p.name for p in out.iterdir()} >= {"log.txt", "machine.txt", "suite_gpu_random.json",
                                              "suite_gpu_random.tokens_per_s.png"}
-  assert "device_gpu: found 0 GPU(s)" in (out / "log.txt").read_text()  # the CPU: no mesh run
+  log = (out / "log.txt").read_text()
+  assert "device_gpu: found 0 GPU(s)" in log  # the CPU: no mesh run
+  assert "1 passed" in log and "device_gpu: tests on cpu: exit status 0" in log
 
 
 @pytest.mark.slow
