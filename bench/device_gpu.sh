@@ -44,7 +44,14 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export JSPEC_CACHE=${JSPEC_CACHE:-/tmp/jspec_cache}
 # JAX takes 75% of the GPU by default; the HF child needs room beside it.
+# Allocated as needed, not all at the start: on the H200 (2026-12-04) the
+# bench's process failed three times to allocate the whole 69.9 GiB pool
+# while its first program compiled (bench/results/gpu_h200_attempt.log).
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.5}
+export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
+# Each compile's seconds in the log, so a run cut short still says where its
+# time went (there, the first program was still compiling after 5 minutes).
+export JAX_LOG_COMPILES=${JAX_LOG_COMPILES:-1}
 PY=${PYTHON:-python3}
 JSON="$OUT/suite_gpu_random.json"
 # The real pair's spec_g1..8 accepted-length histograms, measured on CPU.
@@ -113,7 +120,7 @@ tests/test_mesh.py::test_greedy_every_method_equals_one_device[1x1]}
 read -r -a test_ids <<< "$TESTS"  # no globbing of the [1x1] in a node id
 tests_status=0
 if [ "${#test_ids[@]}" -gt 0 ]; then
-  JSPEC_TEST_XLA_OPT=1 JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  JSPEC_TEST_XLA_OPT=1 JAX_DEFAULT_MATMUL_PRECISION=highest JAX_LOG_COMPILES=0 \
     timeout --signal=INT --kill-after=20 "${TESTS_TIMEOUT_S:-150}" \
     "$PY" -m pytest -v -p no:cacheprovider -n "${TEST_WORKERS:-8}" "${test_ids[@]}" 2>&1 | tee -a "$OUT/log.txt"
   tests_status=${PIPESTATUS[0]}
