@@ -622,6 +622,21 @@ def test_confidence_sweep_summary_pairs_each_threshold_with_its_own_repetition()
   assert s["c0.8"]["ids_equal_target"] == 1 and s["c0.5"]["ids_equal_target"] == 2
 
 
+def test_confidence_sweep_names_each_threshold_cap_and_fixed_gamma():
+  from bench.tools import confidence_sweep
+  assert confidence_sweep.settings([0.5, 0.8], [8], []) == {
+      "target": {"method": "target"}, "c0.5": {"min_confidence": 0.5, "gamma": 8},
+      "c0.8": {"min_confidence": 0.8, "gamma": 8}}
+  got = confidence_sweep.settings([0.5], [8, 4], [2])
+  assert list(got) == ["target", "c0.5_g8", "c0.5_g4", "fixed2"]
+  assert got["c0.5_g4"] == {"min_confidence": 0.5, "gamma": 4}
+  assert got["fixed2"] == {"policy": "fixed", "gamma": 2}
+  for bad in (["--gammas", "0"], ["--fixed", "x"], ["--gammas", "99"]):
+    with pytest.raises(SystemExit) as exc:  # argparse's one-line usage error, before any load
+      confidence_sweep.main(bad)
+    assert exc.value.code == 2
+
+
 def test_fuse_gate_up_gives_the_separate_calls_numbers():
   from bench.tools import fuse_gate_up
   got = fuse_gate_up.measure(layers=2, d=64, f=96, reps=2)

@@ -1,15 +1,19 @@
-"""The confidence policy's threshold against the target at hand: several `min_confidence`, one process.
+"""The confidence policy's threshold and cap against the target at hand, in one process.
 
-    python -m bench.tools.confidence_sweep [--thresholds 0.5,0.65,0.8] [--prompts code,chat]
-        [--max-new-tokens 96] [--reps 2] [--out bench/results/confidence_sweep_cpu.json]
+    python -m bench.tools.confidence_sweep [--thresholds 0.5,0.65,0.8] [--gammas 8]
+        [--fixed 2,3] [--prompts code,chat] [--max-new-tokens 96] [--reps 2]
+        [--out bench/results/confidence_sweep_cpu.json]
 
 The default threshold was chosen when the target was float32 and a draft
 step cost little beside a target step; with the target exact as its GGUF
 stores it a draft step costs a larger share of one, so a draft must be
 likelier to be accepted to pay (docs/decisions.md, "Default policy"). `min_confidence` is data in the compiled program, so
-every threshold runs the same programs. Loads the default pair once; for
+every threshold runs the same programs; each cap (`gamma`, the most drafts
+a round) compiles its own. A verify costs more steps on a host whose
+multiply-adds are slow, so the cap that pays differs by host. `--fixed`
+adds fixed-gamma configurations beside them. Loads the default pair once; for
 each prompt and repetition runs target-only and the default method at each
-threshold, in a rotated order so that host drift falls on all alike
+threshold and cap, in a rotated order so that host drift falls on all alike
 (greedy); records acceptance, tokens per round, decode tokens/s, the
 speedup over that repetition's target-only, and whether the ids equal
 target-only's. Summary: per kind, medians over prompts of each prompt's
@@ -27,6 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import jspec
 from bench import prompts as prompts_lib
 from bench import results
+from jspec import options
 
 
 def _run(bundle: jspec.Bundle, ids: list[int], n: int, **kw) -> dict[str, Any]:
@@ -67,6 +72,28 @@ def summarize(records: list[dict[str, Any]], names: list[str]) -> dict[str, Any]
   return out
 
 
+def settings(thresholds: Sequence[float], caps: Sequence[int],
+             fixed: Sequence[int]) -> dict[str, dict[str, Any]]:
+  """Each configuration's name and its `jspec.generate` options, target-only first.
+
+  Args:
+    thresholds: the confidence policy's `min_confidence` values.
+    caps: its caps (`gamma`); names carry the cap unless it is only the default's.
+    fixed: fixed gammas run beside them.
+
+  Returns:
+    {"target": {...}, "c0.5" or "c0.5_g8": {...}, ..., "fixed2": {...}, ...}.
+  """
+  out: dict[str, dict[str, Any]] = {"target": {"method": "target"}}
+  for g in caps:
+    for t in thresholds:
+      name = f"c{t:g}" + (f"_g{g}" if list(caps) != [options.DEFAULT_GAMMA["confidence"]] else "")
+      out[name] = {"min_confidence": t, "gamma": g}
+  for g in fixed:
+    out[f"fixed{g}"] = {"policy": "fixed", "gamma": g}
+  return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Runs the sweep, writes the JSON after every repetition, prints the summary.
 
@@ -79,6 +106,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   ap = argparse.ArgumentParser(prog="python -m bench.tools.confidence_sweep",
                                description=__doc__.split("\n")[0])
   ap.add_argument("--thresholds", default="0.5,0.65,0.8")
+  ap.add_argument("--gammas", default=str(options.DEFAULT_GAMMA["confidence"]),
+                  help="the confidence policy's caps (default: the default's)")
+  ap.add_argument("--fixed", default="", help="fixed gammas to run beside them")
   ap.add_argument("--prompts", default="code,chat")
   ap.add_argument("--max-new-tokens", type=int, default=96)
   ap.add_argument("--reps", type=int, default=2)
@@ -91,19 +121,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.error(f"--thresholds {args.thresholds!r}: expected comma-separated numbers in [0, 1]")
   if not thresholds or not all(0.0 <= t <= 1.0 for t in thresholds):
     ap.error(f"--thresholds {args.thresholds!r}: expected comma-separated numbers in [0, 1]")
+  try:
+    caps = [int(g) for g in args.gammas.split(",") if g.strip()]
+    fixed = [int(g) for g in args.fixed.split(",") if g.strip()]
+  except ValueError:
+    ap.error(f"--gammas {args.gammas!r} / --fixed {args.fixed!r}: expected comma-separated "
+             f"integers in [1, {options.MAX_GAMMA}]")
+  if not caps or not all(1 <= g <= options.MAX_GAMMA for g in caps + fixed):
+    ap.error(f"--gammas {args.gammas!r} / --fixed {args.fixed!r}: expected comma-separated "
+             f"integers in [1, {options.MAX_GAMMA}]")
   if args.reps < 1 or args.max_new_tokens < 2:
     ap.error("--reps must be at least 1 and --max-new-tokens at least 2")
   chosen = prompts_lib.select(prompts_lib.SUITE, args.prompts)
   bundle = jspec.load(progress=False)
-  names = [f"c{t:g}" for t in thresholds]
   ids = {p.name: prompts_lib.encode(p, bundle.tokenizer) for p in chosen}
   n = args.max_new_tokens
-  configs = {"target": lambda x: _run(bundle, x, n, method="target")}
-  for t, name in zip(thresholds, names):
-    configs[name] = lambda x, t=t: _run(bundle, x, n, min_confidence=t)
+  configs = {name: lambda x, kw=kw: _run(bundle, x, n, **kw)
+             for name, kw in settings(thresholds, caps, fixed).items()}
   doc: dict[str, Any] = {"command": "python -m bench.tools.confidence_sweep "
                                     + " ".join(argv if argv is not None else sys.argv[1:]),
-                         "thresholds": thresholds}
+                         "thresholds": thresholds, "gammas": caps, "fixed": fixed}
   return compare(configs, chosen, ids, args.reps, args.out, doc)
 
 
