@@ -124,10 +124,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     caps = [int(g) for g in args.gammas.split(",") if g.strip()]
     fixed = [int(g) for g in args.fixed.split(",") if g.strip()]
+    bad = not caps or not all(1 <= g <= options.MAX_GAMMA for g in caps + fixed)
   except ValueError:
-    ap.error(f"--gammas {args.gammas!r} / --fixed {args.fixed!r}: expected comma-separated "
-             f"integers in [1, {options.MAX_GAMMA}]")
-  if not caps or not all(1 <= g <= options.MAX_GAMMA for g in caps + fixed):
+    bad = True
+  if bad:
     ap.error(f"--gammas {args.gammas!r} / --fixed {args.fixed!r}: expected comma-separated "
              f"integers in [1, {options.MAX_GAMMA}]")
   if args.reps < 1 or args.max_new_tokens < 2:
