@@ -216,12 +216,11 @@ def buffer_width(prompt_len: int, max_new: int, gamma_max: int) -> int:
 def verify_widths(spec: Spec) -> tuple[int, ...]:
   """The static verify widths a round can pick from (ascending; the last is G + 1).
 
-  A verify's cost grows slowly with its width (docs/decisions.md, "Verify
-  width"), so 3 and 2^k + 1 cover the range with a few compiled branches.
-  There is no width 2: it costs what width 3 does, and a round that counted
-  one draft gets a second one free in width 3 (`fill_verify`). Width 1 (nothing
-  drafted) only happens with prompt lookup: a draft model always counts its
-  first draft.
+  On two CPU cores a verify is bound by its multiply-adds, so each position
+  costs (docs/decisions.md, "Verify width"): 2 and 3 cover the short rounds
+  a low cap drafts, and 2^k + 1 the rest with a few compiled branches. Width
+  1 (nothing drafted) only happens with prompt lookup: a draft model always
+  counts its first draft.
 
   Args:
     spec: the generation's static settings.
@@ -232,7 +231,7 @@ def verify_widths(spec: Spec) -> tuple[int, ...]:
   full = spec.gamma_max + 1
   if not spec.dynamic_verify or spec.gamma_max == 0:
     return (full,)
-  widths = {full, 3} | {2**k + 1 for k in range(2, full.bit_length())}
+  widths = {full, 2, 3} | {2**k + 1 for k in range(2, full.bit_length())}
   if spec.method == "prompt_lookup":
     widths.add(1)
   return tuple(sorted(w for w in widths if w <= full))

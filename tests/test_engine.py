@@ -166,9 +166,11 @@ def test_verify_runs_the_narrowest_width_that_holds_every_counted_draft():
   bundle = tiny.pair(11)
   params, arch = bundle.target.params, bundle.target.arch
   spec = spec_of(bundle, method="prompt_lookup", gamma=8, policy="fixed")
-  assert decode.verify_widths(spec) == (1, 3, 5, 9)
+  assert decode.verify_widths(spec) == (1, 2, 3, 5, 9)
   assert decode.verify_widths(spec_of(bundle, method="model", gamma=8, policy="fixed")) \
-      == (3, 5, 9)
+      == (2, 3, 5, 9)
+  assert decode.verify_widths(spec_of(bundle, method="model", gamma=2, policy="fixed")) \
+      == (2, 3)
   assert decode.verify_widths(dataclasses.replace(spec, dynamic_verify=False)) == (9,)
   slots, starts = 32, jnp.asarray([6, 9])
   _, cache = model.forward(arch, params, jnp.asarray([tiny.prompt(11, 9)] * 2),
@@ -180,7 +182,7 @@ def test_verify_runs_the_narrowest_width_that_holds_every_counted_draft():
   chunk = jnp.asarray([tiny.prompt(12, 9), tiny.prompt(13, 9)])  # [2, G+1]
   full, _ = model.forward(arch, params, chunk, cache)
   sampled = dataclasses.replace(spec, sampling=sampling.Sampling(1.0))  # logits, not tokens
-  for counted, w in [((0, 0), 1), ((1, 0), 3), ((0, 2), 3), ((3, 1), 5), ((4, 4), 5),
+  for counted, w in [((0, 0), 1), ((1, 0), 2), ((0, 2), 3), ((3, 1), 5), ((4, 4), 5),
                      ((5, 0), 9), ((8, 8), 9)]:
     logits, out = decode.verify(params, sampled, chunk, cache, jnp.asarray(counted))
     # Greedy, the verdict is the argmax token at each position.
@@ -195,16 +197,17 @@ def test_verify_runs_the_narrowest_width_that_holds_every_counted_draft():
 
 
 def test_fill_verify_counts_ready_drafts_only_into_spare_positions():
-  spec = spec_of(tiny.pair(0), method="model", gamma=8, policy="fixed")  # widths 3, 5, 9
+  spec = spec_of(tiny.pair(0), method="model", gamma=8, policy="fixed")  # widths 2, 3, 5, 9
   fill = lambda counted, ready, done=(False, False): decode.fill_verify(
       spec, jnp.asarray(counted), jnp.asarray(ready), jnp.asarray(done)).tolist()
-  assert fill((1, 1), (2, 2)) == [2, 2]  # one counted: width 3 holds a second
+  assert fill((1, 1), (2, 2)) == [1, 1]  # one counted: width 2 has no spare position
+  assert fill((2, 1), (3, 3)) == [2, 2]  # width 3 holds a second
   assert fill((3, 1), (4, 4)) == [4, 4]  # width 5: up to 4 drafts, no more than ready
   assert fill((4, 2), (5, 5)) == [4, 4]  # width 5 is full: nothing past it
   assert fill((5, 1), (6, 6)) == [6, 6]  # width 9, but only 6 were computed
   assert fill((2, 2), (2, 2)) == [2, 2]  # nothing ready beyond the counted
   # A finished row neither widens the verify nor stops the others filling it.
-  assert fill((8, 1), (8, 8), (True, False)) == [8, 2]
+  assert fill((8, 3), (8, 8), (True, False)) == [8, 4]
 
 
 @pytest.mark.slow
