@@ -1,0 +1,89 @@
+"""`bench.tools.policy_replay`: a round replayed as the engine runs it, and priced by its forwards."""
+
+import numpy as np
+import pytest
+
+import jspec
+import tiny
+from bench.tools import policy_replay as pr
+
+# Seconds that make each round's price easy to read: a draft step 1, a
+# verify of T positions 10 T, a target step 10.
+COSTS = pr.Costs(target_step=10.0, draft_step=1.0, verify={t: 10.0 * t for t in range(2, 10)})
+
+
+def test_widths_are_the_engines():
+  bundle = tiny.pair(0)
+  for g in range(1, 10):
+    spec = jspec.Options(gamma=g, policy="fixed").spec(bundle.target.arch, bundle.draft.arch,
+                                                       bundle.vocab_limit)
+    assert pr.widths(g) == jspec.decode.verify_widths(spec), g
+
+
+def test_fixed_gamma_on_a_fully_predicted_path():
+  y = np.arange(10)
+  a, c = y.copy(), np.full(10, 0.1)  # every draft right, however unsure
+  assert pr.replay_round(a, c, y, 1, pr.fixed(), 2, 2, stops=False) == (3, 2, 3, 2)
+  r = pr.replay(a, c, y, pr.fixed(), 2, 2, False, COSTS)
+  assert r["rounds"] == 3 and r["tokens_per_round"] == 3.0 and r["acceptance"] == 1.0
+  assert r["seconds"] == 3 * (2 * 1.0 + 30.0)
+  assert r["speedup"] == pytest.approx(9 * 10.0 / r["seconds"])
+
+
+def test_confidence_stops_and_counts_only_what_the_width_holds():
+  y = np.arange(12)
+  a = y.copy()
+  c = np.full(12, 0.9)
+  c[2] = 0.3  # the round at 1 drafts y[1] (sure), then y[2] (unsure): it stops
+  # One counted draft: verify width 2, whose only draft slot is taken, so the
+  # computed second draft is not counted; two forwards paid.
+  assert pr.replay_round(a, c, y, 1, pr.confidence(0.5), 8, 8, stops=True) == (2, 2, 2, 1)
+  c[1] = 0.3  # unsure from the first draft: one forward, width 2
+  assert pr.replay_round(a, c, y, 1, pr.confidence(0.5), 8, 8, stops=True) == (2, 1, 2, 1)
+  c[:] = 0.9
+  c[5] = 0.3  # three sure drafts, the fourth unsure: width 5 holds it too
+  assert pr.replay_round(a, c, y, 2, pr.confidence(0.5), 8, 8, stops=True) == (5, 4, 5, 4)
+  # The cap ends the round after its drafts, with no extra forward.
+  assert pr.replay_round(a, np.full(12, 0.9), y, 1, pr.confidence(0.5), 2, 2, True) == (3, 2, 3, 2)
+
+
+def test_a_wrong_draft_ends_what_is_accepted():
+  y = np.arange(12)
+  a = y.copy()
+  a[3] = 99  # the round at 1 drafts y[1], y[2] right and y[3] wrong
+  emitted, forwards, width, counted = pr.replay_round(a, np.ones(12), y, 1, pr.fixed(), 4, 4,
+                                                      stops=False)
+  assert (emitted, forwards, width, counted) == (3, 4, 5, 4)
+  assert pr.replay_round(a, np.ones(12), y, 1, pr.cumulative(0.5), 8, 8, True)[0] == 3
+
+
+def test_costs_from_refuses_what_it_cannot_price():
+  doc = {"target_step_s": 0.05, "draft_step_s": 0.02,
+         "verify_s": {str(t): 0.05 + 0.01 * t for t in range(2, 10)}}
+  assert pr.costs_from({"costs": doc}).verify[9] == pytest.approx(0.14)
+  with pytest.raises(ValueError, match="lacks widths \\[9\\]"):
+    pr.costs_from({**doc, "verify_s": {str(t): 0.1 for t in range(2, 9)}})
+  with pytest.raises(ValueError, match="positive"):
+    pr.costs_from({**doc, "draft_step_s": 0})
+  with pytest.raises(ValueError, match="expected target_step_s"):
+    pr.costs_from({"draft_step_s": 0.02})
+
+
+def test_replays_an_earlier_documents_paths_without_a_model(tmp_path, capsys):
+  y = list(range(20))
+  paths = [{"prompt": "p", "kind": "code", "path": {"y": y, "a": y, "c": [0.99] * 20}},
+           {"prompt": "q", "kind": "chat", "path": {"y": y, "a": [0] * 20, "c": [0.2] * 20}}]
+  source = tmp_path / "paths.json"
+  source.write_text(__import__("json").dumps({"per_prompt": paths, "costs": {
+      "target_step_s": 10.0, "draft_step_s": 1.0,
+      "verify_s": {str(t): 10.0 * t for t in range(2, 10)}}}))
+  out = tmp_path / "out.json"
+  assert pr.main(["--from", str(source), "--out", str(out)]) == 0
+  doc = __import__("json").loads(out.read_text())
+  assert doc["summary"]["code"]["fixed2"]["tokens_per_round"] == pytest.approx(19 / 7)
+  assert doc["summary"]["chat"]["fixed2"]["tokens_per_round"] == 1.0  # every draft wrong
+  assert doc["costs"]["verify_s"]["9"] == 90.0
+  (tmp_path / "bad.json").write_text("{")
+  with pytest.raises(SystemExit):
+    pr.main(["--from", str(tmp_path / "bad.json"), "--out", str(out)])
+  assert "expected a readable JSON document" in capsys.readouterr().err
