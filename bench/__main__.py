@@ -23,6 +23,8 @@ import pathlib
 import sys
 from typing import Optional, Sequence
 
+from jspec import options as options_lib
+
 
 def _ints(text: str) -> list[int]:
   try:
@@ -68,11 +70,16 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                                     "is always run")
   what.add_argument("--gammas", type=_ints, help="fixed gammas (default 1,2,...,8)")
   what.add_argument("--adaptive-gamma-max", type=int, default=8,
-                    help="static gamma bound of the adaptive policies (default 8)")
+                    help="static gamma bound of the heuristic policy (default 8)")
+  what.add_argument("--confidence-gamma", type=int,
+                    default=options_lib.DEFAULT_GAMMA["confidence"],
+                    help="the confidence policy's cap (default "
+                         f"{options_lib.DEFAULT_GAMMA['confidence']}, the library's)")
   what.add_argument("--lookup-model-gamma-max", type=int, default=16,
                     help="static gamma bound of lookup_model (default 16)")
-  what.add_argument("--min-confidence", type=float, default=0.5,
-                    help="threshold of the confidence policy (default 0.5)")
+  what.add_argument("--min-confidence", type=float, default=options_lib.DEFAULT_MIN_CONFIDENCE,
+                    help="threshold of the confidence policy (default "
+                         f"{options_lib.DEFAULT_MIN_CONFIDENCE}, the library's)")
   what.add_argument("--lookup-gamma", type=int, default=4, help="prompt lookup drafts (default 4)")
   what.add_argument("--ngram", type=int, default=3, help="prompt lookup n-gram (default 3)")
   what.add_argument("--float-draft", action="store_true",
@@ -154,6 +161,7 @@ def _defaults(opts: argparse.Namespace) -> argparse.Namespace:
     opts.bandwidth_bytes = (64 << 20) if smoke else (1 << 30)
   if smoke:
     opts.adaptive_gamma_max = min(opts.adaptive_gamma_max, max(opts.gammas) + 1)
+    opts.confidence_gamma = min(opts.confidence_gamma, max(opts.gammas) + 1)
     opts.lookup_model_gamma_max = min(opts.lookup_model_gamma_max, max(opts.gammas) + 1)
   if opts.random_weights and opts.modes is None:
     # On random weights only round costs mean anything: target, fixed gammas, the HF target.

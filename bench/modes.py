@@ -28,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence, Union
 
+from jspec import options as options_lib
+
 HF_MODES = ("hf_target", "hf_assisted")
 LLAMACPP_MODES = ("llamacpp_target", "llamacpp_spec")
 GROUPS = {
@@ -78,12 +80,12 @@ def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: fl
               lookup_gamma: int, ngram: int, float_draft: bool = False,
               lookup_model_gamma_max: int = 16,
               llamacpp_draft_max: Union[int, Sequence[int]] = (4, 8),
-              llamacpp_threads: int = 2) -> list[Mode]:
+              llamacpp_threads: int = 2, confidence_gamma: Optional[int] = None) -> list[Mode]:
   """Every mode a default run measures, in report order.
 
   Args:
     gammas: fixed gammas for the spec_g<G> modes.
-    adaptive_gamma_max: static gamma bound of the adaptive policies.
+    adaptive_gamma_max: static gamma bound of the heuristic policy.
     min_confidence: threshold of the "confidence" policy.
     lookup_gamma: drafts per round of prompt lookup.
     ngram: n-gram length of prompt lookup.
@@ -94,6 +96,8 @@ def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: fl
       llamacpp_spec: one, or several of which each prompt keeps the fastest
       (`bench.llamacpp.peer_records`).
     llamacpp_threads: CPU threads of the llama.cpp peers (target and draft).
+    confidence_gamma: the "confidence" mode's cap (None: the library's
+      default, so that the mode is `jspec.generate`'s default).
 
   Returns:
     The modes.
@@ -109,8 +113,9 @@ def all_modes(gammas: Sequence[int], adaptive_gamma_max: int, min_confidence: fl
                      "policy": "heuristic"}))
   # gamma = gamma_max: the confidence policy drafts while the row wants more
   # (gamma) and stays confident, so a smaller gamma would cap it below G.
+  g_conf = options_lib.DEFAULT_GAMMA["confidence"] if confidence_gamma is None else confidence_gamma
   modes.append(Mode("confidence", "jspec", "adaptive",
-                    {**draft, "gamma": g_max, "gamma_max": g_max,
+                    {**draft, "gamma": g_conf, "gamma_max": g_conf,
                      "policy": "confidence", "min_confidence": min_confidence}))
   if float_draft:
     modes.append(Mode("confidence_f32", "jspec", "adaptive", dict(modes[-1].kwargs),

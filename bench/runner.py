@@ -540,7 +540,7 @@ def run(opts: argparse.Namespace, argv: Optional[list[str]] = None) -> int:
   all_modes = modes_lib.all_modes(opts.gammas, opts.adaptive_gamma_max, opts.min_confidence,
                                   opts.lookup_gamma, opts.ngram, opts.float_draft,
                                   opts.lookup_model_gamma_max, opts.llamacpp_draft_max,
-                                  opts.llamacpp_threads)
+                                  opts.llamacpp_threads, opts.confidence_gamma)
   try:
     chosen = modes_lib.select(all_modes, opts.modes, hf=not opts.no_hf,
                               llamacpp=not opts.no_llamacpp)

@@ -18,10 +18,12 @@ from jspec import sampling
 
 METHODS = decode.METHODS  # "model", "prompt_lookup", "lookup_model", "target"
 POLICIES = decode.POLICIES  # "fixed", "heuristic", "confidence"
-# The default policy and its gamma, chosen by the bench on the real pair
-# (docs/decisions.md, "Default policy").
+# The default policy, its gamma and threshold, chosen by the bench on the
+# real pair (docs/decisions.md, "Default policy"): on two cores a verify is
+# bound by its multiply-adds, so a long round costs about what it returns.
 DEFAULT_POLICY = "confidence"
-DEFAULT_GAMMA = {"fixed": 4, "heuristic": 4, "confidence": 8}
+DEFAULT_GAMMA = {"fixed": 4, "heuristic": 4, "confidence": 5}
+DEFAULT_MIN_CONFIDENCE = 0.7
 # method "lookup_model" with the confidence policy copies up to this many
 # tokens a round: a copied span costs one verify however long it is
 # (docs/decisions.md, "lookup_model").
@@ -86,7 +88,7 @@ class Options:
   gamma: Optional[int] = None
   gamma_max: Optional[int] = None
   policy: str = DEFAULT_POLICY
-  min_confidence: float = 0.5
+  min_confidence: float = DEFAULT_MIN_CONFIDENCE
   ngram: int = 3
   seed: int = 0
   stop_at_eos: bool = True

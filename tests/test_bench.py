@@ -624,9 +624,9 @@ def test_confidence_sweep_summary_pairs_each_threshold_with_its_own_repetition()
 
 def test_confidence_sweep_names_each_threshold_cap_and_fixed_gamma():
   from bench.tools import confidence_sweep
-  assert confidence_sweep.settings([0.5, 0.8], [8], []) == {
-      "target": {"method": "target"}, "c0.5": {"min_confidence": 0.5, "gamma": 8},
-      "c0.8": {"min_confidence": 0.8, "gamma": 8}}
+  assert confidence_sweep.settings([0.5, 0.8], [5], []) == {  # the default's cap alone
+      "target": {"method": "target"}, "c0.5": {"min_confidence": 0.5, "gamma": 5},
+      "c0.8": {"min_confidence": 0.8, "gamma": 5}}
   got = confidence_sweep.settings([0.5], [8, 4], [2])
   assert list(got) == ["target", "c0.5_g8", "c0.5_g4", "fixed2"]
   assert got["c0.5_g4"] == {"min_confidence": 0.5, "gamma": 4}

@@ -475,6 +475,7 @@ def test_distill_eval_runs_each_threshold(tmp_path, monkeypatch, capsys):
   from bench import models  # pylint: disable=import-outside-toplevel
   from bench.tools import distill_eval  # pylint: disable=import-outside-toplevel
   assert distill_eval.DEFAULT_MIN_CONFIDENCE == jspec.Options().min_confidence
+  assert distill_eval.MODE_KWARGS["gamma"] == jspec.Options().gammas()[0]
   bundle = tiny.pair(seed=3, scale=1.0, vocab=256)
   d_cfg = bundle.draft.cfg
   draft = distill.save_draft(tmp_path / "d.jspec.safetensors", d_cfg,
@@ -503,11 +504,11 @@ def test_distill_eval_runs_each_threshold(tmp_path, monkeypatch, capsys):
   names = "chat_email"  # one prompt: the default run below takes a code one
   out = tmp_path / "r.json"
   assert distill_eval.main(["--draft", str(draft), "--suites", "suite", "--prompts", names,
-                            "--min-confidence", "0.9,0.5", "--max-new-tokens", "8",
+                            "--min-confidence", "0.9,0.7", "--max-new-tokens", "8",
                             "--out", str(out)]) == 0
   doc = json.loads(out.read_text())
-  assert doc["settings"]["min_confidence"] == [0.5, 0.9]
-  runs = {"confidence": (bundle, 0.5), "confidence_distilled": (tuned, 0.5),
+  assert doc["settings"]["min_confidence"] == [0.7, 0.9]
+  runs = {"confidence": (bundle, 0.7), "confidence_distilled": (tuned, 0.7),
           "confidence_p0.9": (bundle, 0.9), "confidence_distilled_p0.9": (tuned, 0.9)}
   drafted = {}
   for q in bench_prompts.select(bench_prompts.SUITE, names):
@@ -530,13 +531,13 @@ def test_distill_eval_runs_each_threshold(tmp_path, monkeypatch, capsys):
   assert chat["confidence_distilled_p0.9"]["mean_tokens_per_round"] == (
       doc["prompts"]["chat_email"]["modes"]["confidence_distilled_p0.9"]["mean_tokens_per_round"])
   per = chat["thresholds"]
-  assert set(per) == {"0.5", "0.9"}
+  assert set(per) == {"0.7", "0.9"}
   assert per["0.9"]["original"] == "confidence_p0.9"
   assert per["0.9"]["distilled"] == "confidence_distilled_p0.9"
   a, b = (chat[m]["mean_tokens_per_round"] for m in ("confidence_p0.9", "confidence_distilled_p0.9"))
   assert per["0.9"]["tokens_per_round_gain"] == pytest.approx(b / a - 1)
   assert per["0.9"]["targets"]["speedup"] == 2.3
-  assert chat["tokens_per_round_gain"] == per["0.5"]["tokens_per_round_gain"]
+  assert chat["tokens_per_round_gain"] == per["0.7"]["tokens_per_round_gain"]
   assert pathlib.Path(doc["plot"]).is_file()
 
   # The default: the shape the tool always wrote (one threshold, the old mode names and keys).
@@ -545,7 +546,7 @@ def test_distill_eval_runs_each_threshold(tmp_path, monkeypatch, capsys):
                             "--max-new-tokens", "4", "--out", str(out)]) == 0
   doc = json.loads(out.read_text())
   assert "min_confidence" not in doc["settings"]
-  assert doc["settings"]["mode"]["min_confidence"] == 0.5
+  assert doc["settings"]["mode"]["min_confidence"] == jspec.Options().min_confidence
   assert set(doc["prompts"]["quicksort"]["modes"]) == {"target", "confidence",
                                                       "confidence_distilled"}
   assert set(doc["summary"]["code"]) == {"prompts", "confidence", "confidence_distilled",

@@ -278,11 +278,11 @@ def test_prompt_lookup_without_a_match_emits_one_target_token_per_round():
   assert out.stats["drafted"] == 0 and out.stats["rounds"] == 1
 
 
-def test_lookup_model_copies_up_to_sixteen_by_default_and_model_drafts_eight():
+def test_lookup_model_copies_up_to_sixteen_by_default_and_model_drafts_five():
   gammas = lambda **kw: jspec.Options(**kw).gammas()
   assert gammas(method="lookup_model") == (16, 16)
   assert options_lib.DEFAULT_LOOKUP_MODEL_GAMMA == 16
-  assert gammas(method="model") == (8, 8)  # the default policy: confidence, up to 8
+  assert gammas(method="model") == (5, 5)  # the default policy: confidence, up to 5
   assert gammas(method="lookup_model", policy="fixed") == (4, 4)  # no stopping rule
   assert gammas(method="lookup_model", gamma=5) == (5, 5)  # asked for
   assert gammas(method="model", policy="heuristic") == (4, 8)
