@@ -631,7 +631,7 @@ def test_confidence_sweep_names_each_threshold_cap_and_fixed_gamma():
   assert list(got) == ["target", "c0.5_g8", "c0.5_g4", "fixed2"]
   assert got["c0.5_g4"] == {"min_confidence": 0.5, "gamma": 4}
   assert got["fixed2"] == {"policy": "fixed", "gamma": 2}
-  for bad in (["--gammas", "0"], ["--fixed", "x"], ["--gammas", "99"]):
+  for bad in (["--gammas", "0"], ["--fixed", "x"], ["--gammas", "99"], ["--temperature", "-1"]):
     with pytest.raises(SystemExit) as exc:  # argparse's one-line usage error, before any load
       confidence_sweep.main(bad)
     assert exc.value.code == 2
@@ -686,3 +686,7 @@ def test_compare_rotates_configurations_and_flags_unequal_ids(tmp_path, capsys):
   assert doc["summary"]["code"]["one"]["speedup_over_target"] == pytest.approx(2.0)
   configs["two"] = fake("two", 30.0, ids=(1, 3))
   assert confidence_sweep.compare(configs, chosen, {"a": [1], "b": [2]}, 1, out, {}) == 1
+  # Sampled, other ids are expected: counted, not a failure.
+  assert confidence_sweep.compare(configs, chosen, {"a": [1], "b": [2]}, 1, out, {},
+                                  check_ids=False) == 0
+  assert json_lib.loads(out.read_text())["summary"]["code"]["two"]["ids_equal_target"] == 0
