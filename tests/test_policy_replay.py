@@ -87,3 +87,16 @@ def test_replays_an_earlier_documents_paths_without_a_model(tmp_path, capsys):
   with pytest.raises(SystemExit):
     pr.main(["--from", str(tmp_path / "bad.json"), "--out", str(out)])
   assert "expected a readable JSON document" in capsys.readouterr().err
+
+
+def test_check_pairs_a_one_cap_sweeps_names_with_that_cap():
+  y = list(range(12))
+  rows = pr.replay_all([{"prompt": "p", "kind": "code",
+                         "path": {"y": y, "a": y, "c": [0.99] * 12}}], COSTS)
+  run = lambda tpr: {"tok_s": 20.0, "tokens_per_round": tpr, "ids": y}
+  record = {"prompt": "p", "kind": "code", "rep": 0, "order": [], "target": run(1.0),
+            "c0.7": run(3.0)}
+  assert set(pr.check(rows, {"gammas": [5], "records": [record]})["code"]) == {"c0.7_g5"}
+  assert set(pr.check(rows, {"records": [record]})["code"]) == {"c0.7_g8"}  # before caps were recorded
+  got = pr.check(rows, {"gammas": [2], "records": [record]})["code"]["c0.7_g2"]
+  assert got["tpr_replay"] == rows[0]["c0.7_g2"]["tokens_per_round"] and got["tpr_measured"] == 3.0

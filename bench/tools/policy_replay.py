@@ -250,9 +250,11 @@ def check(per_prompt: list[dict[str, Any]], measured: dict[str, Any]) -> dict[st
   out: dict[str, Any] = {}
   recs = measured["records"]
   names = [n for n in recs[0] if n not in ("prompt", "kind", "rep", "order", "target")]
+  # A sweep of one cap names its configurations without it: the cap it
+  # records, or 8 (the default before the sweep recorded its caps).
+  cap = measured.get("gammas", [8])[0]
   for name in names:
-    # A sweep of the default cap alone names its configurations without it.
-    n = name if name in per_prompt[0] or "_g" in name or "fixed" in name else f"{name}_g8"
+    n = name if name in per_prompt[0] or "_g" in name or "fixed" in name else f"{name}_g{cap}"
     if n not in per_prompt[0]:
       continue
     rows = []
