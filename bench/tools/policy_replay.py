@@ -209,11 +209,12 @@ def draft_path(bundle, prompt: list[int], y: list[int]) -> tuple[np.ndarray, np.
   Returns:
     (a [N], c [N]); index 0 is unused (the prefill's token).
   """
-  import jax
   import jax.numpy as jnp
   from jspec import cache as cache_lib
   from jspec import draft_vocab as draft_vocab_lib
+  from jspec import drafters
   from jspec import model
+  from jspec import sampling
 
   m = bundle.draft
   params = draft_vocab_lib.with_prompt_ids(m.params, m.cfg.vocab_size, [prompt])
@@ -226,12 +227,9 @@ def draft_path(bundle, prompt: list[int], y: list[int]) -> tuple[np.ndarray, np.
   at = np.arange(p - 1, p + len(y) - 1, dtype=np.int32)[None]  # predicts y[0..N-1]
   logits, _ = model.forward(m.arch, params, jnp.asarray(chunk), cache, logits_at=jnp.asarray(at),
                             fresh=True)
-  logits = np.asarray(logits[0], np.float32)  # [N, V']
-  if bundle.vocab_limit is not None:
-    logits[:, bundle.vocab_limit:] = -np.inf
-  a = logits.argmax(-1)
-  top = logits.max(-1)
-  c = np.exp(top - np.asarray(jax.nn.logsumexp(jnp.asarray(logits), axis=-1)))
+  greedy = sampling.Sampling(0.0, vocab_limit=bundle.vocab_limit)
+  c = np.asarray(drafters._top_prob(logits[0], None, greedy))  # the engine's own confidence
+  a = np.asarray(sampling.argmax(logits[0], greedy))
   return a, c
 
 
