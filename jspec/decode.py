@@ -228,11 +228,26 @@ def verify_widths(spec: Spec) -> tuple[int, ...]:
   Returns:
     Widths T, each one target forward over T positions in the compiled round.
   """
-  full = spec.gamma_max + 1
-  if not spec.dynamic_verify or spec.gamma_max == 0:
+  return verify_widths_for(spec.gamma_max, spec.dynamic_verify, spec.method == "prompt_lookup")
+
+
+def verify_widths_for(gamma_max: int, dynamic_verify: bool = True,
+                      prompt_lookup: bool = False) -> tuple[int, ...]:
+  """`verify_widths` from the settings it reads, for replays that have no `Spec`.
+
+  Args:
+    gamma_max: the static bound on drafts a round.
+    dynamic_verify: whether a round picks its width (else always G + 1).
+    prompt_lookup: whether the drafter is prompt lookup (which adds width 1).
+
+  Returns:
+    The widths, ascending.
+  """
+  full = gamma_max + 1
+  if not dynamic_verify or gamma_max == 0:
     return (full,)
   widths = {full, 2, 3} | {2**k + 1 for k in range(2, full.bit_length())}
-  if spec.method == "prompt_lookup":
+  if prompt_lookup:
     widths.add(1)
   return tuple(sorted(w for w in widths if w <= full))
 

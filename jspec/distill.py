@@ -27,10 +27,11 @@ draft is trained on what the target would say (DistillSpec, Zhou et al.
 The loss, and why TVD to the greedy target is the default. Greedy speculative
 decoding accepts a draft iff it equals the target's argmax a*; the default
 policy ("confidence") drafts the next token only while the draft's own
-softmax puts at least `min_confidence` (0.5) on its top token. At one
-position the event "drafted, accepted, and drafting goes on" is therefore
-exactly q(a*) >= 0.5 (if q(a*) > 0.5, a* is the draft's argmax and its
-confidence is above the threshold). The total variation distance between the
+softmax puts at least `min_confidence` on its top token. With that
+threshold at least 0.5 (the default is), the event "drafted, accepted, and
+drafting goes on" at one position is therefore exactly q(a*) >=
+min_confidence (if q(a*) > 0.5, a* is the draft's argmax and its
+confidence is q(a*)). The total variation distance between the
 greedy-restricted target (a point mass at a*) and the draft's softmax is
 1 - q(a*): a linear surrogate of that event, whose gradient is largest where
 q(a*) is already near the threshold and small where the draft is hopelessly
@@ -81,6 +82,8 @@ from jspec import bundle as bundle_lib
 from jspec import cache as cache_lib
 from jspec import distill_data
 from jspec import model
+from jspec import options
+from jspec import rounds
 from jspec import weights
 
 try:  # optax only for training: `import jspec` and `jspec generate` work without it
@@ -1007,41 +1010,38 @@ def _eval_batch(cfg, recipe, params, trainable, batch):
 
 
 def simulate_rounds(agree: np.ndarray, confidence: np.ndarray, mask: np.ndarray,
-                    min_confidence: float = 0.5, gamma: int = 8) -> float:
+                    min_confidence: float = options.DEFAULT_MIN_CONFIDENCE,
+                    gamma: int = options.DEFAULT_GAMMA["confidence"]) -> float:
   """Tokens per round the greedy confidence policy would emit on held-out target output.
 
-  Each round drafts at the next position, goes on while the draft's top
-  probability is at least `min_confidence` (up to gamma drafts; the first
-  always counts), accepts the drafts up to the first disagreement, and emits
-  them plus the target's own token. Exact for the target's greedy output
-  (the positions' contexts are what decoding sees); an estimate on other text.
+  Each sequence's rounds are replayed as the engine runs them
+  (`rounds.replay_round`): the first draft always counts, drafting goes on
+  while the newest draft's top probability is at least `min_confidence`
+  (up to gamma drafts), computed drafts fill the verify width's spare
+  positions, the drafts up to the first disagreement are accepted, and the
+  round emits them plus the target's own token. Exact for the target's
+  greedy output but for what the policy is shown after a wrong draft (see
+  `jspec.rounds`); an estimate on other text.
 
   Args:
     agree: [N, G] bool, the draft's argmax equals the target's.
     confidence: [N, G] the draft's top probability.
-    mask: [N, G] valid positions.
-    min_confidence: the policy's threshold.
-    gamma: its cap.
+    mask: [N, G] valid positions (a prefix of each row).
+    min_confidence: the policy's threshold (default: the library's).
+    gamma: its cap, and the static bound on drafts (default: the library's).
 
   Returns:
-    Mean tokens per round over all rounds (nan without positions).
+    Mean tokens per round over all rounds (nan without rounds).
   """
-  tokens = rounds = 0
+  rule = rounds.confidence(min_confidence)
+  tokens = n_rounds = 0
   for ok, conf, valid in zip(agree, confidence, mask):
     n = int(valid.sum())
-    t = 1  # the prefill emits the first generated token
-    while t < n:
-      drafted = 1
-      while drafted < gamma and t + drafted < n and conf[t + drafted] >= min_confidence:
-        drafted += 1
-      accepted = 0
-      while accepted < drafted and ok[t + accepted]:
-        accepted += 1
-      emitted = min(accepted + 1, n - t)
-      tokens += emitted
-      rounds += 1
-      t += emitted
-  return tokens / rounds if rounds else float("nan")
+    t, r = rounds.tokens_and_rounds(np.asarray(ok[:n], bool), np.asarray(conf[:n]), rule, gamma,
+                                    gamma)
+    tokens += t
+    n_rounds += r
+  return tokens / n_rounds if n_rounds else float("nan")
 
 
 def evaluate(cfg: config_lib.Qwen2Config, params: Any, trainable: Any, recipe: Recipe,
@@ -1058,8 +1058,9 @@ def evaluate(cfg: config_lib.Qwen2Config, params: Any, trainable: Any, recipe: R
 
   Returns:
     loss (the recipe's), tvd, fkl, jsd, margin (greedy), agree (argmax agreement: greedy
-    acceptance per draft), confident_right (q(a*) >= 0.5: drafted, accepted
-    and drafting goes on) and tokens_per_round (`simulate_rounds`, target
+    acceptance per draft), confident_right (q(a*) at least the library's
+    `min_confidence`: drafted, accepted and drafting goes on) and
+    tokens_per_round (`simulate_rounds` with the library's policy, target
     sequences only).
   """
   if len(idx) == 0:
@@ -1080,7 +1081,7 @@ def evaluate(cfg: config_lib.Qwen2Config, params: Any, trainable: Any, recipe: R
         continue
       sums[name] = sums.get(name, 0.0) + float((out[name] * mask).sum())
     sums["confident_right"] = sums.get("confident_right", 0.0) + float(
-        ((out["q_top"] >= 0.5) * mask).sum())
+        ((out["q_top"] >= options.DEFAULT_MIN_CONFIDENCE) * mask).sum())
     total += float(mask.sum())
     target_rows = data.sources[chunk] == 1
     agree_rows.append(out["agree"][target_rows] > 0.5)

@@ -307,15 +307,25 @@ def test_margin_loss_is_greedy_only():
 
 
 def test_simulated_rounds_follow_the_confidence_policy():
-  """The acceptance estimate replays the confidence policy's rounds by hand."""
-  # Positions 1.. (0 is the prefill's token): agree, confidence.
+  """The acceptance estimate replays the engine's confidence rounds, with the library's policy by default."""
+  # Positions 0..9 (0 is the prefill's token): agree, confidence.
   agree = np.array([[1, 1, 1, 0, 1, 1, 1, 1, 1, 1]], bool)
   conf = np.array([[1, 0.9, 0.9, 0.9, 0.2, 0.9, 0.9, 0.9, 0.9, 0.9]])
   mask = np.ones_like(agree)
-  # Round 1 at t=1: drafts 1, 2, 3 (confident), stops at 4 (0.2): accepts 1, 2, rejects 3
-  # -> 3 tokens (t=4). Round 2 at t=4: drafts 4 (first always counts), 5.. confident up to
-  # the end: accepts all of 4..9 -> 6 tokens, capped by the end.
-  assert distill.simulate_rounds(agree, conf, mask) == pytest.approx((3 + 6) / 2)
+  # Threshold 0.7, cap 5 (the defaults). Round at 1: drafts 1, 2, 3 sure; 1, 2
+  # accepted, 3 wrong -> 3 tokens. Round at 4: its first draft is unsure, so
+  # it stops there (whatever 5 says) and is accepted -> 2 tokens. Round at 6:
+  # sure to the end -> the last 4 tokens.
+  assert jspec.options.DEFAULT_MIN_CONFIDENCE == 0.7
+  assert jspec.options.DEFAULT_GAMMA["confidence"] == 5
+  assert distill.simulate_rounds(agree, conf, mask) == pytest.approx(9 / 3)
+  # At 0.1 nothing stops before the cap of 5: rounds at 1 (1, 2 right, 3
+  # wrong: 3 tokens), then at 4 (4..8 right, the cap: 6 tokens, clipped to
+  # the 6 left).
+  assert distill.simulate_rounds(agree, conf, mask, 0.1, 5) == pytest.approx(9 / 2)
+  # A masked tail is not part of the path: 0..4 only (rounds at 1 and 4).
+  short = np.array([[1, 1, 1, 1, 1, 0, 0, 0, 0, 0]], bool)
+  assert distill.simulate_rounds(agree, conf, short) == pytest.approx(4 / 2)
 
 
 @pytest.mark.slow  # parses the whole standard library

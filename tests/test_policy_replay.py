@@ -3,8 +3,7 @@
 import numpy as np
 import pytest
 
-import jspec
-import tiny
+from jspec import rounds
 from bench.tools import policy_replay as pr
 
 # Seconds that make each round's price easy to read: a draft step 1, a
@@ -12,49 +11,20 @@ from bench.tools import policy_replay as pr
 COSTS = pr.Costs(target_step=10.0, draft_step=1.0, verify={t: 10.0 * t for t in range(2, 10)})
 
 
-def test_widths_are_the_engines():
-  bundle = tiny.pair(0)
-  for g in range(1, 10):
-    spec = jspec.Options(gamma=g, policy="fixed").spec(bundle.target.arch, bundle.draft.arch,
-                                                       bundle.vocab_limit)
-    assert pr.widths(g) == jspec.decode.verify_widths(spec), g
-
-
-def test_fixed_gamma_on_a_fully_predicted_path():
+def test_fixed_gamma_on_a_fully_predicted_path_is_priced_by_its_forwards():
   y = np.arange(10)
   a, c = y.copy(), np.full(10, 0.1)  # every draft right, however unsure
-  assert pr.replay_round(a, c, y, 1, pr.fixed(), 2, 2, stops=False) == (3, 2, 3, 2)
   r = pr.replay(a, c, y, pr.fixed(), 2, 2, False, COSTS)
   assert r["rounds"] == 3 and r["tokens_per_round"] == 3.0 and r["acceptance"] == 1.0
   assert r["seconds"] == 3 * (2 * 1.0 + 30.0)
   assert r["speedup"] == pytest.approx(9 * 10.0 / r["seconds"])
 
 
-def test_confidence_stops_and_counts_only_what_the_width_holds():
-  y = np.arange(12)
-  a = y.copy()
-  c = np.full(12, 0.9)
-  c[2] = 0.3  # the round at 1 drafts y[1] (sure), then y[2] (unsure): it stops
-  # One counted draft: verify width 2, whose only draft slot is taken, so the
-  # computed second draft is not counted; two forwards paid.
-  assert pr.replay_round(a, c, y, 1, pr.confidence(0.5), 8, 8, stops=True) == (2, 2, 2, 1)
-  c[1] = 0.3  # unsure from the first draft: one forward, width 2
-  assert pr.replay_round(a, c, y, 1, pr.confidence(0.5), 8, 8, stops=True) == (2, 1, 2, 1)
-  c[:] = 0.9
-  c[5] = 0.3  # three sure drafts, the fourth unsure: width 5 holds it too
-  assert pr.replay_round(a, c, y, 2, pr.confidence(0.5), 8, 8, stops=True) == (5, 4, 5, 4)
-  # The cap ends the round after its drafts, with no extra forward.
-  assert pr.replay_round(a, np.full(12, 0.9), y, 1, pr.confidence(0.5), 2, 2, True) == (3, 2, 3, 2)
-
-
-def test_a_wrong_draft_ends_what_is_accepted():
+def test_the_cumulative_rule_stops_at_a_wrong_draft_too():
   y = np.arange(12)
   a = y.copy()
   a[3] = 99  # the round at 1 drafts y[1], y[2] right and y[3] wrong
-  emitted, forwards, width, counted = pr.replay_round(a, np.ones(12), y, 1, pr.fixed(), 4, 4,
-                                                      stops=False)
-  assert (emitted, forwards, width, counted) == (3, 4, 5, 4)
-  assert pr.replay_round(a, np.ones(12), y, 1, pr.cumulative(0.5), 8, 8, True)[0] == 3
+  assert rounds.replay_round(a == y, np.ones(12), 1, pr.cumulative(0.5), 8, 8, True)[0] == 3
 
 
 def test_costs_from_refuses_what_it_cannot_price():

@@ -37,13 +37,13 @@ import pathlib
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
-# A rule sees the round's draft confidences one by one and says whether to go
-# on: (confidences so far [i], cap) -> bool.
-Rule = Callable[[Sequence[float], int], bool]
+from jspec import rounds
+
+Rule = rounds.Rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,23 +61,6 @@ class Costs:
   verify: dict[int, float]
 
 
-def widths(gamma_max: int) -> tuple[int, ...]:
-  """The verify widths a draft-model round picks from (`jspec.decode.verify_widths`'s, tested)."""
-  full = gamma_max + 1
-  return tuple(sorted(w for w in {full, 2, 3} | {2**k + 1 for k in range(2, full.bit_length())}
-                      if w <= full))
-
-
-def width_for(counted: int, gamma_max: int) -> int:
-  """The narrowest width holding x_{n-1} and `counted` drafts."""
-  return next(w for w in widths(gamma_max) if w >= counted + 1)
-
-
-def confidence(threshold: float) -> Rule:
-  """jspec's confidence policy: go on while the newest draft's top probability is at least it."""
-  return lambda c, cap: c[-1] >= threshold
-
-
 def cumulative(threshold: float) -> Rule:
   """Go on while the product of the round's top probabilities is at least `threshold`."""
   return lambda c, cap: math.prod(c) >= threshold
@@ -88,48 +71,6 @@ def fixed() -> Rule:
   return lambda c, cap: True
 
 
-def replay_round(a: np.ndarray, c: np.ndarray, y: np.ndarray, j: int, rule: Rule, cap: int,
-                 gamma_max: int, stops: bool) -> tuple[int, int, int, int]:
-  """One greedy round starting at position j (y[j] the first token it can emit).
-
-  Mirrors `drafters.draft_model` and `decode.fill_verify`: the first draft
-  always counts; the loop computes draft i + 1 while the row is going and
-  counts it if the rule accepts it; a rule that stops leaves its last
-  computed draft uncounted, and the fill counts computed drafts into the
-  verify's spare positions.
-
-  Args:
-    a: [N] the draft's argmax at each position of the path.
-    c: [N] its top probability there.
-    y: [N] the target's tokens.
-    j: the round's first position.
-    rule: the stopping rule.
-    cap: most drafts counted (the policy's gamma).
-    gamma_max: the static bound (widths).
-    stops: whether the rule is applied (False: fixed gamma).
-
-  Returns:
-    (tokens emitted, draft forwards, verify width, drafts counted).
-  """
-  n = len(y)
-  at = lambda i: min(j + i, n - 1)  # draft i + 1's position (clamped past the path's end)
-  conf = [float(c[at(0)])]
-  counted, forwards = 1, 1
-  going = cap > 1 and (not stops or rule(conf, cap))
-  while going and forwards < gamma_max:
-    conf.append(float(c[at(forwards)]))
-    forwards += 1
-    take = not stops or rule(conf, cap)
-    counted += int(take)
-    going = take and forwards < cap
-  width = width_for(counted, gamma_max)
-  counted = max(counted, min(forwards, width - 1))
-  accepted = 0
-  while accepted < counted and j + accepted < n and a[j + accepted] == y[j + accepted]:
-    accepted += 1
-  return accepted + 1, forwards, width, counted
-
-
 def replay(a: np.ndarray, c: np.ndarray, y: np.ndarray, rule: Rule, cap: int, gamma_max: int,
            stops: bool, costs: Costs) -> dict[str, float]:
   """Replays a whole path from position 1 (position 0 is the prefill's token).
@@ -137,17 +78,18 @@ def replay(a: np.ndarray, c: np.ndarray, y: np.ndarray, rule: Rule, cap: int, ga
   Returns:
     {"rounds", "tokens_per_round", "acceptance", "seconds", "speedup"}.
   """
-  j, rounds, seconds, drafted, accepted = 1, 0, 0.0, 0, 0
+  ok = np.asarray(a) == np.asarray(y)  # [N]
+  j, n_rounds, seconds, drafted, accepted = 1, 0, 0.0, 0, 0
   while j < len(y):
-    emitted, forwards, width, counted = replay_round(a, c, y, j, rule, cap, gamma_max, stops)
+    emitted, forwards, width, counted = rounds.replay_round(ok, c, j, rule, cap, gamma_max, stops)
     emitted = min(emitted, len(y) - j)
-    rounds += 1
+    n_rounds += 1
     seconds += forwards * costs.draft_step + costs.verify[width]
     drafted += counted
     accepted += emitted - 1
     j += emitted
   tokens = len(y) - 1
-  return {"rounds": rounds, "tokens_per_round": tokens / rounds,
+  return {"rounds": n_rounds, "tokens_per_round": tokens / n_rounds,
           "acceptance": accepted / max(drafted, 1), "seconds": seconds,
           "speedup": tokens * costs.target_step / seconds}
 
@@ -157,7 +99,7 @@ def policies() -> dict[str, tuple[Rule, int, int, bool]]:
   out: dict[str, tuple[Rule, int, int, bool]] = {}
   for cap in (8, 5, 4, 3, 2):
     for t in (0.5, 0.65, 0.7, 0.8, 0.9):
-      out[f"c{t:g}_g{cap}"] = (confidence(t), cap, cap, True)
+      out[f"c{t:g}_g{cap}"] = (rounds.confidence(t), cap, cap, True)
   for g in (1, 2, 3, 4):
     out[f"fixed{g}"] = (fixed(), g, g, False)
   for t in (0.5, 0.7, 0.8, 0.9):
