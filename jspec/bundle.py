@@ -139,17 +139,18 @@ def platform_of(params: Any) -> str:
   return jax.default_backend()
 
 
-def _convert_leaves(params: dict, convert_leaf, consume: bool) -> dict:
+def _convert_leaves(params: dict, convert_leaf, consume: bool, first: Sequence[str] = ()) -> dict:
   """A copy of a params tree with every weight leaf converted, one at a time.
 
   With `consume`, each source leaf leaves `params` as soon as its
   replacement exists, so memory grows by one matrix, not by the model.
   A source may be numpy views of a mapped file (`jspec.loading`): what a
   conversion keeps as it is becomes a device array here, so that no view
-  outlives its turn.
+  outlives its turn. `first` names top-level keys converted before the
+  rest (a mapped matrix already read goes first, so its pages go first).
   """
   out = {}
-  for key in list(params):
+  for key in [k for k in first if k in params] + [k for k in params if k not in first]:
     value = params[key]
     if isinstance(value, dict):
       out[key] = _convert_leaves(value, convert_leaf, consume)
@@ -261,7 +262,14 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
     source = params["embed"]["table"] if cfg.tie_word_embeddings else params["head"]["w"]
     # [K, D] float rows, stored as the full head would be: the same numbers at each kept id.
     rows = weights.Table(jnp.asarray(weights.lookup(source, np.asarray(keep))))
-  converted = _convert_leaves(params, convert_leaf, consume)
+    # Converted now, and neither the rows nor the source kept: while the
+    # matrices are converted, loading then holds no float copy of the head,
+    # and the source's mapped pages go with its own conversion.
+    vocab_head = jax.tree.map(jnp.asarray, convert_leaf(rows))
+    del source, rows
+  # The lookup read the source's pages: its conversion goes first and frees them.
+  first = (("embed",) if cfg.tie_word_embeddings else ("head",)) if keep is not None else ()
+  converted = _convert_leaves(params, convert_leaf, consume, first)
   if kernels:  # the layer loop reads each matrix of every layer with one kernel call
     converted["layers"] = _uniform_layers(converted["layers"])
   module = model.merge(cfg, converted)
@@ -271,7 +279,7 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
     module.greedy_head.set_value(greedy_head.make(head.p))
   if keep is not None:
     module.vocab_ids.set_value(jnp.asarray(keep, jnp.int32))
-    module.vocab_head.set_value(jax.tree.map(jnp.asarray, convert_leaf(rows)))
+    module.vocab_head.set_value(vocab_head)
     module.vocab_extra.set_value(jnp.full((draft_vocab_lib.PROMPT_ROWS,), cfg.vocab_size,
                                           jnp.int32))
   prepared = model.params_of(module)

@@ -304,7 +304,22 @@ def pack_int8(q: jax.Array) -> tuple[jax.Array, jax.Array]:
   n, k = q.shape
   if n % PANEL:
     raise ValueError(f"cannot pack a [{n}, {k}] int8 matrix: its {n} rows are not a multiple of {PANEL}")
-  return _pack_int8(jnp.asarray(q))
+  # A tall matrix (a vocabulary table or head) in slices of whole panels: each
+  # panel and row sum depends on its own rows alone, and loading then holds
+  # one slice's temporaries, not the whole matrix's.
+  step = max(PANEL, PACK_SLICE_BYTES // max(k, 1) // PANEL * PANEL)
+  if step >= n:
+    return _pack_int8(jnp.asarray(q))
+  panels = np.empty((n // PANEL, -(-k // GROUP), PANEL, GROUP), np.int8)
+  sums = np.empty((n,), np.int32)
+  for a in range(0, n, step):
+    b = min(a + step, n)
+    part, part_sums = _pack_int8(jnp.asarray(q[a:b]))
+    panels[a // PANEL:b // PANEL], sums[a:b] = np.asarray(part), np.asarray(part_sums)
+  return jnp.asarray(panels), jnp.asarray(sums)
+
+
+PACK_SLICE_BYTES = 8 << 20  # int8 bytes of q packed per call (`pack_int8`)
 
 
 @jax.jit

@@ -18,6 +18,7 @@ import jax
 
 from jspec import decode
 from jspec import fetch
+from jspec import heap
 from jspec import program_store
 
 
@@ -90,6 +91,7 @@ class Programs:
     t0 = time.perf_counter()
     compiled, jitted, stored = program_store.compile_program(name, fn, args, static,
                                                              donate_argnums)
+    heap.trim()  # what the compiler freed would otherwise stay resident under the model
     self.cache[key] = compiled
     self.jitted.append(jitted)
     self.compiles += 1
@@ -123,6 +125,7 @@ class Programs:
     for jitted in self.jitted + [decode.prefill, decode.run]:
       jitted.clear_cache()
     self.jitted.clear()
+    heap.trim()
 
 
 class Pending:

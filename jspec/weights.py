@@ -484,17 +484,44 @@ def _quantize_int4(m: jax.Array, size: int):  # [O, I] -> ([O, I] int8, [O, I/B]
   return q.reshape(o, i).astype(jnp.int8), scale, low
 
 
-def _int8_rows(w: Leaf) -> tuple[jax.Array, jax.Array]:
-  """W.T quantized per row (`_quantize_rows`): ([O, I] int8, [O] float32), computed."""
+# Bytes of float32 input quantized per call of `_quantize_rows`: a large
+# matrix (a 150k-token table or head) goes through in slices of its outputs,
+# so loading holds one slice's copy and temporaries, not the whole matrix's.
+QUANTIZE_SLICE_BYTES = 32 << 20
+
+
+def _int8_rows(w: Leaf, slice_bytes: Optional[int] = None) -> tuple[jax.Array, jax.Array]:
+  """W.T quantized per row (`_quantize_rows`): ([O, I] int8, [O] float32), computed.
+
+  Each row's numbers depend on that row alone, so quantizing the outputs in
+  slices gives the same bits as one call.
+
+  Args:
+    w: a float leaf.
+    slice_bytes: float32 input bytes per call (default `QUANTIZE_SLICE_BYTES`).
+
+  Returns:
+    (q [O, I] int8, scale [O] float32).
+  """
   if isinstance(w, Dense):
-    q, scale = _quantize_rows(w.w.T)
+    rows = lambda a, b: w.w[:, a:b].T  # [b - a, I]; a view of a mapped matrix
   elif isinstance(w, Table):
-    q, scale = _quantize_rows(w.t)
+    rows = lambda a, b: w.t[a:b]
   elif isinstance(w, (Panels, Blocks, BF16Panels)):
-    q, scale = _quantize_rows(matrix(w).T)
+    return jax.block_until_ready(_quantize_rows(matrix(w).T))
   else:
     raise TypeError(f"cannot quantize a {type(w).__name__} weight")
-  return jax.block_until_ready((q, scale))
+  i, o = w.shape
+  step = max(1, (slice_bytes or QUANTIZE_SLICE_BYTES) // (4 * i))
+  if step >= o:
+    return jax.block_until_ready(_quantize_rows(rows(0, o)))
+  q = np.empty((o, i), np.int8)
+  scale = np.empty((o,), np.float32)
+  for a in range(0, o, step):
+    b = min(a + step, o)
+    q_part, scale_part = _quantize_rows(rows(a, b))
+    q[a:b], scale[a:b] = np.asarray(q_part), np.asarray(scale_part)
+  return jnp.asarray(q), jnp.asarray(scale)
 
 
 @jax.jit

@@ -8,6 +8,8 @@ copy exists (docs/decisions-compact.md, "Peak memory of the real pair").
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,3 +156,71 @@ def test_a_view_survives_the_file_being_replaced(tmp_path):
   store.save(path, cfg, _tensors(cfg, 6))  # renamed over it, as a rebuild does
   name = next(iter(mapped))
   np.testing.assert_array_equal(mapped[name], first[name])  # the file that was checked
+
+
+def test_tall_matrices_are_quantized_and_packed_in_slices_to_the_same_bits(monkeypatch):
+  """A vocabulary-sized table or head goes through int8 in slices of its rows, with the one-call bits.
+
+  Loading the real draft quantized its 150k-row table and head whole: a
+  float32 copy and temporaries of each beside its mapped pages, the load's
+  peak (docs/decisions-compact.md, "Peak memory of a first run").
+  """
+  rng = np.random.default_rng(0)
+  table = rng.normal(0.0, 0.1, (640, 48)).astype(np.float32)  # [V, D]
+  table[7] = 0.0  # a zero row keeps scale 1
+  calls = []
+  real = weights._quantize_rows  # pylint: disable=protected-access
+  monkeypatch.setattr(weights, "_quantize_rows", lambda m: calls.append(m.shape) or real(m))
+  for leaf in (weights.Table(table), weights.Table(jnp.asarray(table)),
+               weights.Dense(table.T.copy()), weights.Dense(jnp.asarray(table.T))):
+    calls.clear()
+    whole = weights._int8_rows(leaf, slice_bytes=1 << 30)  # pylint: disable=protected-access
+    assert calls == [(640, 48)]
+    calls.clear()
+    sliced = weights._int8_rows(leaf, slice_bytes=100 * 4 * 48)  # pylint: disable=protected-access
+    assert calls == [(100, 48)] * 6 + [(40, 48)]
+    for a, b in zip(whole, sliced):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  q = whole[0]
+  packed_whole = jspec.cpu_kernels.pack_int8(q)
+  monkeypatch.setattr(jspec.cpu_kernels, "PACK_SLICE_BYTES", 96 * 48)  # 3 panels a slice
+  packs = []
+  real_pack = jspec.cpu_kernels._pack_int8  # pylint: disable=protected-access
+  monkeypatch.setattr(jspec.cpu_kernels, "_pack_int8", lambda m: packs.append(m.shape) or real_pack(m))
+  packed_sliced = jspec.cpu_kernels.pack_int8(q)
+  assert packs == [(96, 48)] * 6 + [(64, 48)]
+  for a, b in zip(packed_whole, packed_sliced):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_cut_head_holds_no_float_rows_and_its_source_goes_first(monkeypatch, tied):
+  """With a cut draft vocabulary, the kept rows are converted before the matrices, then their source.
+
+  The lookup reads the source's mapped pages (the table, or an untied
+  head): converting it next frees them before the other matrices are read,
+  and no float copy of the kept rows stays alive while they are.
+  """
+  cfg = dataclasses.replace(DRAFT, tie_word_embeddings=tied)
+  params = model_lib.params_from_tensors(cfg, {k: jnp.asarray(v) for k, v in
+                                               _tensors(cfg, 1).items()})
+  keep = 32
+  source = params["embed"]["table"] if tied else params["head"]["w"]  # the leaf the rows come from
+  seen = []
+  real = weights.to_int8
+
+  def to_int8(w, *args, **kwargs):
+    rows_alive = any(a.shape == (keep, cfg.hidden_size) and jnp.issubdtype(a.dtype, jnp.floating)
+                     for a in jax.live_arrays() if not a.is_deleted())
+    seen.append((w.shape, w is source, rows_alive))
+    return real(w, *args, **kwargs)
+
+  monkeypatch.setattr(weights, "to_int8", to_int8)
+  settings = jspec.Settings(draft_int8=True, draft_vocab=keep)
+  prepared = bundle_lib.prepare(cfg, params, "draft", settings, consume=True,
+                                ranking=list(range(cfg.vocab_size)))
+  assert seen[0][:2] == ((cfg.hidden_size, keep), False)  # the kept rows
+  assert seen[1][1]  # then the matrix they came from: the table, or the untied head
+  assert not any(alive for _, _, alive in seen[1:]), seen
+  assert np.asarray(prepared.params["vocab_ids"]).shape == (keep,)
