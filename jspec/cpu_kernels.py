@@ -287,6 +287,9 @@ def int8_available() -> bool:
   return int8_kind() is not None
 
 
+PACK_SLICE_BYTES = 8 << 20  # int8 bytes of q packed per call (`pack_int8`)
+
+
 def pack_int8(q: jax.Array) -> tuple[jax.Array, jax.Array]:
   """An int8 [out, in] matrix as the int8 kernel's panels, with its row sums.
 
@@ -317,9 +320,6 @@ def pack_int8(q: jax.Array) -> tuple[jax.Array, jax.Array]:
     part, part_sums = _pack_int8(jnp.asarray(q[a:b]))
     panels[a // PANEL:b // PANEL], sums[a:b] = np.asarray(part), np.asarray(part_sums)
   return jnp.asarray(panels), jnp.asarray(sums)
-
-
-PACK_SLICE_BYTES = 8 << 20  # int8 bytes of q packed per call (`pack_int8`)
 
 
 @jax.jit
