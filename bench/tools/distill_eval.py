@@ -41,12 +41,16 @@ import tempfile
 import time
 from typing import Any, Optional
 
+from jspec import options as options_lib
+
 # The issue's targets (CPU, real pair, greedy, suite median, held-out prompts).
 TARGETS = {"tokens_per_round_gain": {"chat": 0.15, "code": 0.10},
            "speedup": {"chat": 2.3, "code": 3.1}}
-MODE_KWARGS = {"method": "model", "gamma": 5, "gamma_max": 5, "policy": "confidence",
-               "min_confidence": 0.7}  # the default mode, as `python -m bench` runs it (a test checks)
-DEFAULT_MIN_CONFIDENCE = MODE_KWARGS["min_confidence"]  # jspec.Options' default (a test checks)
+# The default mode, as `python -m bench` runs it: the library's policy.
+MODE_KWARGS = {"method": "model", "gamma": options_lib.DEFAULT_GAMMA["confidence"],
+               "gamma_max": options_lib.DEFAULT_GAMMA["confidence"], "policy": "confidence",
+               "min_confidence": options_lib.DEFAULT_MIN_CONFIDENCE}
+DEFAULT_MIN_CONFIDENCE = MODE_KWARGS["min_confidence"]
 
 
 def parse_thresholds(text: str) -> list[float]:
