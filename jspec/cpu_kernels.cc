@@ -857,12 +857,39 @@ constexpr int kBlkRegs = kLanes == 16 ? 32 : 16;  // vector registers
 // thread against 11 with eight), and each panel in step is three more
 // streams (q, scales, offsets). AVX2 takes two, as its fp32 and int8 row
 // tiles do (not measured for this kernel: no AVX2 host at hand).
+// `BlkRowPanels` picks the block kernel's count at run time.
+//
+// Build knobs, for A/B builds only (`bench.tools.build_ab`): -D
+// JSPEC_BLK_ROW_PANELS=N fixes the block kernel's panels in step for one
+// row, JSPEC_BLK_AHEAD its weight prefetch distance in panel rows and
+// JSPEC_BLK_LOCALITY that prefetch's `__builtin_prefetch` locality.
 constexpr int kBlkRowPanels = kLanes == 16 ? 4 : 2;
 constexpr int kBlkStepPanels = 2;
 constexpr int64_t kBlkStepRows = 3;
-// Bytes of a panel's q the weight stream is prefetched ahead: 64 rows of
-// int8 q, 128 of nibbles.
-constexpr int64_t kBlkAhead = 64 * kPanel;
+
+// The block kernel's panels in step for one row: on an AMD host with
+// AVX-512 (the Zen 5 host), one. There a panel's three streams per thread
+// read faster than four panels' twelve, and the model's target-only step
+// was faster for it; the Intel host keeps kBlkRowPanels
+// (docs/decisions-compact.md, "One panel for one row on Zen 5").
+inline int64_t BlkRowPanels() {
+#ifdef JSPEC_BLK_ROW_PANELS
+  return JSPEC_BLK_ROW_PANELS;
+#else
+  static const int64_t panels = [] {
+    __builtin_cpu_init();
+    return kLanes == 16 && __builtin_cpu_is("amd") ? 1 : kBlkRowPanels;
+  }();
+  return panels;
+#endif
+}
+#ifndef JSPEC_BLK_AHEAD
+#define JSPEC_BLK_AHEAD 64
+#endif
+#ifndef JSPEC_BLK_LOCALITY
+#define JSPEC_BLK_LOCALITY 3
+#endif
+constexpr int64_t kBlkAhead = JSPEC_BLK_AHEAD * kPanel;
 
 // kLanes q in [0, 15] of a nibble panel row as floats: the low four bits of
 // each byte (HIGH false: k = 2i) or the high four (HIGH true: k = 2i + 1).
@@ -988,7 +1015,7 @@ void BlkTile(const float* xt, const float* xs, const Q* q, int64_t q_stride, con
 #pragma GCC unroll 2
     for (int kk = 0; kk < B; kk += 2) {
       for (int p = 0; p < NP; ++p) {
-        __builtin_prefetch(row + p * q_stride + kBlkAhead, 0, 3);  // a line per 2 (nibbles 4) rows
+        __builtin_prefetch(row + p * q_stride + kBlkAhead, 0, JSPEC_BLK_LOCALITY);  // a line per 2 (nibbles 4) rows
       }
       // k rows 2i, then 2i + 1, each over every panel (written out: the row
       // is a template argument of the widening).
@@ -1090,6 +1117,7 @@ void RunBlk(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart<Q>
   static constexpr auto step_tiles =
       MakeBlkTiles<Q, B, OFF, kBlkStepPanels, S>(std::make_integer_sequence<int, kBlkStepRows>{});
   static constexpr TileFn row_tile = BlkTile<Q, 1, kBlkVecs, B, OFF, kBlkRowPanels, S>;
+  const int64_t row_panels = BlkRowPanels();  // 1 or kBlkRowPanels
   const int64_t blocks = k_size / B;
   const int64_t q_stride = k_size / 2 * kPairBytes<Q>, so_stride = ScaleStride<B, S>(k_size);
   // x packed per row tile: tile t (rows m0 .. m0 + r) as [K, r], then its
@@ -1112,7 +1140,7 @@ void RunBlk(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart<Q>
   }
   const float* xpk = packed.data();
   // Panels in step: np per set, the last set's leftovers one at a time.
-  const int64_t np = m_size == 1 ? kBlkRowPanels : m_size <= kBlkStepRows ? kBlkStepPanels : 1;
+  const int64_t np = m_size == 1 ? row_panels : m_size <= kBlkStepRows ? kBlkStepPanels : 1;
   const TileFn step = m_size == 1 ? row_tile : m_size <= kBlkStepRows ? step_tiles[m_size]
                                                                      : nullptr;
   // Sets of np panels, part by part: part j's are [first[j], first[j + 1]).

@@ -690,3 +690,33 @@ def test_compare_rotates_configurations_and_flags_unequal_ids(tmp_path, capsys):
   assert confidence_sweep.compare(configs, chosen, {"a": [1], "b": [2]}, 1, out, {},
                                   check_ids=False) == 0
   assert json_lib.loads(out.read_text())["summary"]["code"]["two"]["ids_equal_target"] == 0
+
+
+def test_build_ab_pairs_each_run_with_the_first_builds_and_checks_ids():
+  from bench.tools import build_ab
+  def run(tok_s, ids):
+    return {"target": {"a": {"tok_s": tok_s[0], "ids": ids}, "b": {"tok_s": tok_s[1], "ids": [1, 2]}}}
+  runs = [[run((10.0, 20.0), [5]), run((12.0, 20.0), [5])],
+          [run((11.0, 30.0), [5]), run((12.0, 10.0), [5])]]
+  summary = build_ab.summarize(["", "-DX"], ["a", "b"], ["target"], runs)
+  got = summary["methods"]["target"]
+  # Ratios pair round r's prompt p across builds: 1.1, 1.5, 1.0, 0.5.
+  assert got["ratio_range"] == [[0.5, 1.5]]
+  assert got["ratio_to_first"] == [pytest.approx(1.05)]
+  assert got["median_tok_s"] == [pytest.approx(16.0), pytest.approx(11.5)]
+  assert got["ids_equal"] is True
+  runs[1][1]["target"]["a"]["ids"] = [6]
+  assert build_ab.summarize(["", "-DX"], ["a", "b"], ["target"], runs)["methods"]["target"][
+      "ids_equal"] is False
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--flags=", "--flags=-DX", "--prompts", "nope"], "--prompts: unknown prompt(s) nope"),
+    (["--flags=", "--flags=-DX", "--methods", "fast"], "--methods: fast; expected some of"),
+    (["--flags="], "--flags: give at least two builds"),
+])
+def test_build_ab_refuses_bad_arguments_before_any_build(argv, message, capsys):
+  from bench.tools import build_ab
+  with pytest.raises(SystemExit):
+    build_ab.main(argv)
+  assert message in capsys.readouterr().err

@@ -98,9 +98,10 @@ def test_real_shape_blocks(offsets):
 @pytest.mark.parametrize("m", [2, 3, 9, 17, 320])
 @pytest.mark.parametrize("offsets", [False, True])
 def test_a_row_comes_out_bit_for_bit_the_same_whatever_rows_share_the_call(m, offsets):
-  # One row reads four panels in step, two or three rows two, more rows one
-  # at a time in tiles of up to 12 rows; the sums are the same, in the same
-  # order, so a verify row equals the target-only step's bit for bit.
+  # One row reads four panels in step (one on an AMD AVX-512 host), two or
+  # three rows two, more rows one at a time in tiles of up to 12 rows; the
+  # sums are the same, in the same order, so a verify row equals the
+  # target-only step's bit for bit.
   _need_kernel()
   q, s, o = _blocks(224, 96, 32, offsets, seed=m)
   x = np.random.default_rng(m).standard_normal((m, 96)).astype(np.float32)
