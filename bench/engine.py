@@ -24,6 +24,8 @@ import jspec
 from bench import memory
 from bench import modes as modes_lib
 from convert import config as config_lib
+from jspec import api
+from jspec import options as options_lib
 
 
 def _median(values: Sequence[float]) -> float:
@@ -38,8 +40,9 @@ def run_modes(bundle: jspec.Bundle, ids: list[int], modes: Sequence[modes_lib.Mo
               ) -> dict[str, dict[str, Any]]:
   """Measures jspec modes on one prompt.
 
-  Every mode first gets one call that is thrown away if it compiled; then
-  repetition r of every mode runs before repetition r + 1 of any. A mode's
+  Every mode's programs are compiled first, all before any runs; then every
+  mode gets one call that is thrown away if it compiled (there or then);
+  then repetition r of every mode runs before repetition r + 1 of any. A mode's
   compiled programs are kept until the caller releases them
   (`jspec.programs.release`), so alternating compiles nothing.
 
@@ -71,6 +74,11 @@ def run_modes(bundle: jspec.Bundle, ids: list[int], modes: Sequence[modes_lib.Mo
   runs: dict[str, list] = {m.name: [] for m in modes}
   roofs: dict[str, list] = {m.name: [] for m in modes}  # per timed call: [before, after] GB/s
   warm: dict[str, tuple] = {}
+  # Every mode's programs compile before any mode runs: a compile's working
+  # memory then comes before the weights' pages are read, not on top of
+  # them (docs/decisions-compact.md, "Peak memory of a first run").
+  compiled = {m.name: _compile(bundles.get(m.name, bundle), ids, m, max_new_tokens, stop_at_eos)
+              for m in modes}
 
   def call(m: modes_lib.Mode) -> None:
     paired = read_roof is not None and m.kwargs.get("method") == "target"
@@ -80,8 +88,9 @@ def run_modes(bundle: jspec.Bundle, ids: list[int], modes: Sequence[modes_lib.Mo
                             temperature=0.0, stop_at_eos=stop_at_eos, **m.kwargs)
     wall = time.perf_counter() - t0
     after = read_roof() if paired else None
-    if m.name not in warm and result.stats["compile_s"] > 0:  # a freshly built program
-      warm[m.name] = (result, wall)
+    fresh = compiled[m.name] > 0 or result.stats["compile_s"] > 0  # a freshly built program
+    if m.name not in warm and fresh:
+      warm[m.name] = (result, wall, compiled[m.name] + result.stats["compile_s"])
     else:
       runs[m.name].append(result)
       roofs[m.name].append([before, after])
@@ -98,6 +107,25 @@ def run_modes(bundle: jspec.Bundle, ids: list[int], modes: Sequence[modes_lib.Mo
     if read_roof is not None and m.kwargs.get("method") == "target":
       _paired_roof(records[m.name], roofs[m.name])
   return records
+
+
+def _compile(bundle: jspec.Bundle, ids: list[int], mode: modes_lib.Mode, max_new_tokens: int,
+             stop_at_eos: bool) -> float:
+  """Compiles (or loads) one mode's two programs for this prompt without running them.
+
+  Args:
+    bundle: the bundle the mode runs.
+    ids: prompt token ids.
+    mode: the mode.
+    max_new_tokens: tokens to generate.
+    stop_at_eos: the run's stopping rule.
+
+  Returns:
+    Seconds spent compiling now (0 when both were ready).
+  """
+  opts = options_lib.make(None, max_new_tokens=max_new_tokens, temperature=0.0,
+                          stop_at_eos=stop_at_eos, **mode.kwargs)
+  return api.request(bundle, ids, opts).compile_seconds()
 
 
 def _paired_roof(record: dict[str, Any], reads: list[list[Optional[float]]]) -> None:
@@ -155,8 +183,7 @@ def _record(mode: modes_lib.Mode, runs: list, warm: Optional[tuple], target_byte
   compile_s = 0.0
   warmup_s, warmup_ids = None, None
   if warm is not None:
-    result, warmup_s = warm
-    compile_s = result.stats["compile_s"]
+    result, warmup_s, compile_s = warm
     warmup_ids = result.token_ids
   first, last = runs[0], runs[-1]
   every_ids = [r.token_ids for r in runs] + ([warmup_ids] if warmup_ids is not None else [])

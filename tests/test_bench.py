@@ -720,3 +720,27 @@ def test_build_ab_refuses_bad_arguments_before_any_build(argv, message, capsys):
   with pytest.raises(SystemExit):
     build_ab.main(argv)
   assert message in capsys.readouterr().err
+
+
+def test_run_modes_compiles_every_modes_programs_before_running_any(monkeypatch):
+  # A compile's working memory must come before the weights' pages are read,
+  # not on top of them: every program is ready before the first generation,
+  # and each mode's first call (compiled ahead) is still thrown away.
+  bundle = tiny.pair(kernels=False)
+  modes = [modes_lib.Mode("target", "jspec", "target", {"method": "target"}),
+           modes_lib.Mode("spec_g2", "jspec", "spec", {"policy": "fixed", "gamma": 2})]
+  programs.release()
+  before = programs.PROGRAMS.compiles
+  seen = []
+  generate = jspec.generate
+  def counting(*args, **kwargs):
+    seen.append(programs.PROGRAMS.compiles - before)
+    return generate(*args, **kwargs)
+  monkeypatch.setattr(jspec, "generate", counting)
+  recs = engine.run_modes(bundle, tiny.prompt(1, 5), modes, 6, 2, False, 100,
+                          {"target": None, "spec_g2": 100})
+  assert seen and all(n == 4 for n in seen)  # two programs per mode, all before the first call
+  assert len(seen) == 2 * 2 + 2  # a thrown-away call per mode, then two timed each
+  for rec in recs.values():
+    assert rec["compile_s"] > 0 and rec["warmup_s"] is not None and len(rec["reps"]) == 2
+  programs.release()
