@@ -861,7 +861,8 @@ constexpr int kBlkRegs = kLanes == 16 ? 32 : 16;  // vector registers
 //
 // Build knobs, for A/B builds only (`bench.tools.build_ab`): -D
 // JSPEC_BLK_ROW_PANELS=N fixes the block kernel's panels in step for one
-// row, JSPEC_BLK_AHEAD its weight prefetch distance in panel rows and
+// row (N is 1 or kBlkRowPanels: the row tile is built for those only),
+// JSPEC_BLK_AHEAD its weight prefetch distance in panel rows and
 // JSPEC_BLK_LOCALITY that prefetch's `__builtin_prefetch` locality.
 constexpr int kBlkRowPanels = kLanes == 16 ? 4 : 2;
 constexpr int kBlkStepPanels = 2;
@@ -883,6 +884,8 @@ inline int64_t BlkRowPanels() {
   return panels;
 #endif
 }
+// Bytes of a panel's q the weight stream is prefetched ahead: 64 rows of
+// int8 q, 128 of nibbles.
 #ifndef JSPEC_BLK_AHEAD
 #define JSPEC_BLK_AHEAD 64
 #endif
