@@ -77,15 +77,17 @@ def run_modes(bundle: jspec.Bundle, ids: list[int], modes: Sequence[modes_lib.Mo
   # Every mode's programs compile before any mode runs: a compile's working
   # memory then comes before the weights' pages are read, not on top of
   # them (docs/decisions-compact.md, "Peak memory of a first run").
-  compiled = {m.name: _compile(bundles.get(m.name, bundle), ids, m, max_new_tokens, stop_at_eos)
-              for m in modes}
+  kwargs = {m.name: dict(max_new_tokens=max_new_tokens, temperature=0.0, stop_at_eos=stop_at_eos,
+                         **m.kwargs) for m in modes}  # each mode's `jspec.generate` options
+  compiled = {m.name: api.request(bundles.get(m.name, bundle), ids,
+                                  options_lib.make(None, **kwargs[m.name])).compile_seconds()
+              for m in modes}  # seconds compiling now (0 where ready); nothing runs
 
   def call(m: modes_lib.Mode) -> None:
     paired = read_roof is not None and m.kwargs.get("method") == "target"
     before = read_roof() if paired else None
     t0 = time.perf_counter()
-    result = jspec.generate(bundles.get(m.name, bundle), ids, max_new_tokens=max_new_tokens,
-                            temperature=0.0, stop_at_eos=stop_at_eos, **m.kwargs)
+    result = jspec.generate(bundles.get(m.name, bundle), ids, **kwargs[m.name])
     wall = time.perf_counter() - t0
     after = read_roof() if paired else None
     fresh = compiled[m.name] > 0 or result.stats["compile_s"] > 0  # a freshly built program
@@ -107,25 +109,6 @@ def run_modes(bundle: jspec.Bundle, ids: list[int], modes: Sequence[modes_lib.Mo
     if read_roof is not None and m.kwargs.get("method") == "target":
       _paired_roof(records[m.name], roofs[m.name])
   return records
-
-
-def _compile(bundle: jspec.Bundle, ids: list[int], mode: modes_lib.Mode, max_new_tokens: int,
-             stop_at_eos: bool) -> float:
-  """Compiles (or loads) one mode's two programs for this prompt without running them.
-
-  Args:
-    bundle: the bundle the mode runs.
-    ids: prompt token ids.
-    mode: the mode.
-    max_new_tokens: tokens to generate.
-    stop_at_eos: the run's stopping rule.
-
-  Returns:
-    Seconds spent compiling now (0 when both were ready).
-  """
-  opts = options_lib.make(None, max_new_tokens=max_new_tokens, temperature=0.0,
-                          stop_at_eos=stop_at_eos, **mode.kwargs)
-  return api.request(bundle, ids, opts).compile_seconds()
 
 
 def _paired_roof(record: dict[str, Any], reads: list[list[Optional[float]]]) -> None:

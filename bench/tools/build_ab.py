@@ -32,6 +32,7 @@ import sys
 import tempfile
 from typing import Optional, Sequence
 
+import jspec
 from bench import prompts as prompts_lib
 from bench import results
 from jspec import options as options_lib
@@ -39,7 +40,6 @@ from jspec import options as options_lib
 
 def _child(prompt_names: list[str], methods: list[str], max_new_tokens: int) -> dict:
   """One build's figures: {method: {prompt: {"tok_s": best decode tok/s, "ids": [...]}}}."""
-  import jspec  # pylint: disable=import-outside-toplevel
   bundle = jspec.load(progress=False)
   by_name = {p.name: p for p in prompts_lib.SUITE}
   out: dict = {method: {} for method in methods}
