@@ -1089,10 +1089,34 @@ void BlkTile(const float* xt, const float* xs, const Q* q, int64_t q_stride, con
 template <typename Q, typename S>
 using BlkTileFn = void (*)(const float*, const float*, const Q*, int64_t, const S*, const S*,
                            int64_t, int64_t, int64_t, float*, int64_t);
-template <typename Q, int B, bool OFF, int NP, typename S, int... R>
+template <typename Q, int B, bool OFF, int NP, typename S, int NV = kBlkVecs, int... R>
 constexpr std::array<BlkTileFn<Q, S>, sizeof...(R) + 1> MakeBlkTiles(
     std::integer_sequence<int, R...>) {
-  return {nullptr, BlkTile<Q, R + 1, kBlkVecs, B, OFF, NP, S>...};
+  return {nullptr, BlkTile<Q, R + 1, NV, B, OFF, NP, S>...};
+}
+
+// From how many rows on the block kernel's tiles span half a panel (one
+// vector of columns, the panel in two passes) instead of a whole one: on an
+// AMD host with AVX-512, from 4. There the half tiles multiplied 1.2-1.9x
+// faster at 4 to 12 rows from cache, and the default method decoded faster
+// for it (docs/decisions-compact.md, "Half-panel tiles for several rows").
+// Other AVX-512 hosts from 7, where a whole panel's sums leave the registers
+// (on the Xeon the half tiles were as fast at 8 rows and faster at 12;
+// fewer rows were not measured there). AVX2 hosts never (half a panel is 8
+// columns there; an AVX2 build was slower with them at 5 to 12 rows). Each
+// output's sums are the same whatever the tile, so the bits do not change.
+// -DJSPEC_BLK_HALF_FROM=N fixes it, for A/B builds only.
+inline int64_t BlkHalfFrom() {
+#ifdef JSPEC_BLK_HALF_FROM
+  return JSPEC_BLK_HALF_FROM;
+#else
+  static const int64_t rows = [] {
+    __builtin_cpu_init();
+    if (kLanes != 16) return kBlkRows + 1;
+    return __builtin_cpu_is("amd") ? int64_t{4} : int64_t{7};
+  }();
+  return rows;
+#endif
 }
 
 // One matrix of a block product: its panels, and the first column of y it
@@ -1117,6 +1141,8 @@ void RunBlk(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart<Q>
   using TileFn = BlkTileFn<Q, S>;
   static constexpr auto tiles =
       MakeBlkTiles<Q, B, OFF, 1, S>(std::make_integer_sequence<int, kBlkRows>{});
+  static constexpr auto half_tiles =
+      MakeBlkTiles<Q, B, OFF, 1, S, kBlkVecs / 2>(std::make_integer_sequence<int, kBlkRows>{});
   static constexpr auto step_tiles =
       MakeBlkTiles<Q, B, OFF, kBlkStepPanels, S>(std::make_integer_sequence<int, kBlkStepRows>{});
   static constexpr TileFn row_tile = BlkTile<Q, 1, kBlkVecs, B, OFF, kBlkRowPanels, S>;
@@ -1142,10 +1168,18 @@ void RunBlk(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart<Q>
     }
   }
   const float* xpk = packed.data();
-  // Panels in step: np per set, the last set's leftovers one at a time.
-  const int64_t np = m_size == 1 ? row_panels : m_size <= kBlkStepRows ? kBlkStepPanels : 1;
-  const TileFn step = m_size == 1 ? row_tile : m_size <= kBlkStepRows ? step_tiles[m_size]
-                                                                     : nullptr;
+  // Panels in step, np per set (the last set's leftovers one at a time): a
+  // row reads several (row_panels), two or three rows two; from
+  // BlkHalfFrom() rows on, one, each in two half-panel tiles.
+  const bool half = m_size >= BlkHalfFrom();
+  const int64_t np = half                      ? 1
+                     : m_size == 1             ? row_panels
+                     : m_size <= kBlkStepRows ? kBlkStepPanels
+                                               : 1;
+  const TileFn step = half                      ? nullptr
+                      : m_size == 1             ? row_tile
+                      : m_size <= kBlkStepRows ? step_tiles[m_size]
+                                                : nullptr;
   // Sets of np panels, part by part: part j's are [first[j], first[j + 1]).
   std::vector<int64_t> first(parts.size() + 1, 0);
   for (size_t j = 0; j < parts.size(); ++j) {
@@ -1159,14 +1193,21 @@ void RunBlk(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart<Q>
       const int64_t m0 = t * kBlkRows, r = std::min(kBlkRows, m_size - m0);
       const float* xt = xpk + m0 * (k_size + blocks);
       for (int64_t c = 0; c < kPanel; c += kBlkVecs * kLanes) {
-        auto run = [&](TileFn tile, int64_t p) {
+        // Panel p's columns from col on (c, or the second half's).
+        auto run_at = [&](TileFn tile, int64_t p, int64_t col) {
           const S* s = static_cast<const S*>(part.s);
-          tile(xt, xt + r * k_size, part.q + p * q_stride + c, q_stride, s + p * so_stride,
-               OFF ? static_cast<const S*>(part.o) + p * so_stride : nullptr, so_stride, c,
-               blocks, yp + m0 * n_size + part.col + p * kPanel + c, n_size);
+          tile(xt, xt + r * k_size, part.q + p * q_stride + col, q_stride, s + p * so_stride,
+               OFF ? static_cast<const S*>(part.o) + p * so_stride : nullptr, so_stride, col,
+               blocks, yp + m0 * n_size + part.col + p * kPanel + col, n_size);
         };
+        auto run = [&](TileFn tile, int64_t p) { run_at(tile, p, c); };
         if (np > 1 && p0 + np <= panels) {
           run(step, p0);
+        } else if (half) {
+          for (int64_t p = p0; p < std::min(p0 + np, panels); ++p) {
+            run(half_tiles[r], p);
+            run_at(half_tiles[r], p, c + kBlkVecs / 2 * kLanes);
+          }
         } else {
           for (int64_t p = p0; p < std::min(p0 + np, panels); ++p) run(tiles[r], p);
         }
