@@ -648,7 +648,7 @@ def test_fuse_gate_up_gives_the_separate_calls_numbers():
 def test_kernel_rate_times_streamed_and_cached_calls_of_each_form():
   from bench.tools import kernel_rate
   got = kernel_rate.measure(d=256, f=96, layers=2, cached_outputs=32, calls=3, reps=2)
-  assert set(got) == {"4bit", "int8", "q4k", "q4k_float"}
+  assert set(got) == {"4bit", "int8", "q4k", "q4k_float", "q6k"}
   for form in got.values():
     assert form["stream"]["bytes_per_call"] > form["cached"]["bytes_per_call"] > 0
     assert min(form[k]["ms_per_call"] for k in ("stream", "cached")) > 0
@@ -659,6 +659,22 @@ def test_kernel_rate_times_streamed_and_cached_calls_of_each_form():
   # Q4_K's factored scales and offsets: 3/32 of a byte a weight instead of 1/4
   assert got["q4k"]["stream"]["bytes_per_call"] == 96 * 256 * (0.5 + 3 / 32)
   assert got["q4k_float"]["stream"]["bytes_per_call"] == 96 * 256 * 0.75
+  # Q6_K: a byte per q, d (4 bytes) per 256 and an int8 sc per 16
+  assert got["q6k"]["stream"]["bytes_per_call"] == 96 * 256 * (1 + 4 / 256 + 1 / 16)
+
+
+def test_kernel_rate_counts_the_multiply_adds_of_several_rows():
+  from bench.tools import kernel_rate
+  got = kernel_rate.measure(d=256, f=96, layers=2, cached_outputs=32, calls=3, reps=2,
+                            forms=("q4k",), rows=(1, 5))
+  assert set(got) == {"q4k", "q4k@5"} and got["q4k"]["rows"] == 1 and got["q4k@5"]["rows"] == 5
+  for name, m in (("q4k", 1), ("q4k@5", 5)):
+    for kind in ("stream", "cached"):
+      rec = got[name][kind]
+      assert rec["macs_per_ns"] == pytest.approx(m * rec["weights_per_ns"])
+      outputs = 96 if kind == "stream" else 32
+      assert rec["weights_per_ns"] == pytest.approx(256 * outputs / rec["ms_per_call"] / 1e6)
+  assert got["q4k@5"]["stream"]["bytes_per_call"] == got["q4k"]["stream"]["bytes_per_call"]
 
 
 def test_compare_rotates_configurations_and_flags_unequal_ids(tmp_path, capsys):
