@@ -388,6 +388,9 @@ def test_temperature_top_p_and_min_confidence_are_data_not_new_programs(kind, se
   prompt = tiny.prompt(13, 6)
   got = []
   for i, kwargs in enumerate(settings):
+    # One policy on both sides: which drafts a round makes can change which
+    # valid sample a seed draws, so a comparison across policies is luck.
+    kwargs = {"policy": "fixed", **kwargs}
     out = jspec.generate(bundle, prompt, max_new_tokens=16, seed=5, **kwargs)
     if i == 0:
       compiles = programs.PROGRAMS.compiles
