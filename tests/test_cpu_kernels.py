@@ -145,6 +145,17 @@ def test_a_failed_compile_says_why_and_leaves_no_library(monkeypatch, tmp_path):
   assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
 
 
+def _process_state(pid: int):
+  """The state letter of the `sleep` process `pid` ("S", "R", "Z", ...), or None once it is gone."""
+  try:
+    state = pathlib.Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    if state not in ("Z", "X") and b"sleep" not in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes():
+      return None  # the pid now names another process
+    return state
+  except FileNotFoundError:
+    return None
+
+
 @pytest.mark.slow
 def test_a_compiler_that_hangs_is_stopped_and_jspec_info_says_so(monkeypatch, tmp_path, capsys):
   # A "compiler" that never returns, with a child of its own (as c++ runs cc1plus).
@@ -159,8 +170,13 @@ def test_a_compiler_that_hangs_is_stopped_and_jspec_info_says_so(monkeypatch, tm
     cpu_kernels.build()
   assert time.monotonic() - start < 30
   child = int((tmp_path / "child.pid").read_text())
-  state = pathlib.Path(f"/proc/{child}/stat")  # gone, or a zombie nobody reaped: not sleeping
-  assert not state.exists() or state.read_text().split(")")[-1].split()[0] in ("Z", "X")
+  # Gone, or a zombie nobody reaped: not sleeping. A killed process can take
+  # a moment to finish exiting on a loaded host (it reads "R" meanwhile), so
+  # the check waits a bounded while; the pid may also be reused by then.
+  deadline = time.monotonic() + 10
+  while (state := _process_state(child)) not in (None, "Z", "X"):
+    assert time.monotonic() < deadline, f"the compiler's child {child} is still alive ({state})"
+    time.sleep(0.05)
   assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
   # A fresh process's first ask: not available, with the reason, and `jspec info` says it.
   monkeypatch.setattr(cpu_kernels, "_load", functools.lru_cache(maxsize=1)(
