@@ -1097,9 +1097,9 @@ constexpr std::array<BlkTileFn<Q, S>, sizeof...(R) + 1> MakeBlkTiles(
 
 // From how many rows on the block kernel's tiles span half a panel (one
 // vector of columns, the panel in two passes) instead of a whole one: on an
-// AMD host with AVX-512, from 4. There the half tiles multiplied 1.2-1.9x
-// faster at 4 to 12 rows from cache, and the default method decoded faster
-// for it (docs/decisions-compact.md, "Half-panel tiles for several rows").
+// AMD host with AVX-512, from 4. There the half tiles multiplied faster at
+// 4 to 16 rows, and the default method decoded faster for it
+// (docs/decisions-compact.md, "Half-panel tiles for several rows").
 // Other AVX-512 hosts from 7, where a whole panel's sums leave the registers
 // (on the Xeon the half tiles were as fast at 8 rows and faster at 12;
 // fewer rows were not measured there). AVX2 hosts never (half a panel is 8
