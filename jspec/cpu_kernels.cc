@@ -868,6 +868,16 @@ constexpr int kBlkRowPanels = kLanes == 16 ? 4 : 2;
 constexpr int kBlkStepPanels = 2;
 constexpr int64_t kBlkStepRows = 3;
 
+// Whether this is an AMD host running the AVX-512 build: the host whose
+// measurements set the block kernel's run-time choices below.
+inline bool AmdAvx512() {
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return kLanes == 16 && __builtin_cpu_is("amd");
+  }();
+  return amd;
+}
+
 // The block kernel's panels in step for one row: on an AMD host with
 // AVX-512 (the Zen 5 host), one. There a panel's three streams per thread
 // read faster than four panels' twelve, and the model's target-only step
@@ -877,11 +887,7 @@ inline int64_t BlkRowPanels() {
 #ifdef JSPEC_BLK_ROW_PANELS
   return JSPEC_BLK_ROW_PANELS;
 #else
-  static const int64_t panels = [] {
-    __builtin_cpu_init();
-    return kLanes == 16 && __builtin_cpu_is("amd") ? 1 : kBlkRowPanels;
-  }();
-  return panels;
+  return AmdAvx512() ? 1 : kBlkRowPanels;
 #endif
 }
 // Bytes of a panel's q the weight stream is prefetched ahead: 64 rows of
@@ -1110,12 +1116,7 @@ inline int64_t BlkHalfFrom() {
 #ifdef JSPEC_BLK_HALF_FROM
   return JSPEC_BLK_HALF_FROM;
 #else
-  static const int64_t rows = [] {
-    __builtin_cpu_init();
-    if (kLanes != 16) return kBlkRows + 1;
-    return __builtin_cpu_is("amd") ? int64_t{4} : int64_t{7};
-  }();
-  return rows;
+  return kLanes != 16 ? kBlkRows + 1 : AmdAvx512() ? 4 : 7;
 #endif
 }
 
