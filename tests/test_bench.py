@@ -32,12 +32,15 @@ from bench import results
 from bench import shapes
 from bench.tools import kernel_ab
 from bench.tools import roofline
+from bench.tools import round_cost
 from bench.tools import serve_bound
 from bench.tools import spec_bound
 from jspec import bundle as bundle_lib
 from jspec import cache as cache_lib
 from jspec import cpu_kernels
+from jspec import decode
 from jspec import model as jspec_model
+from jspec import options as options_lib
 from jspec import programs
 from jspec import weights
 
@@ -760,3 +763,26 @@ def test_run_modes_compiles_every_modes_programs_before_running_any(monkeypatch)
   for rec in recs.values():
     assert rec["compile_s"] > 0 and rec["warmup_s"] is not None and len(rec["reps"]) == 2
   programs.release()
+
+
+def test_round_cost_derives_steps_from_configurations_that_share_verify_widths():
+  """round_cost's draft step is the difference of two rounds that verify at one width."""
+  def width(config):
+    gamma, g_max = options_lib.Options(**config).gammas()
+    fitting = [w for w in decode.verify_widths_for(g_max) if w >= gamma + 1]
+    return min(fitting)
+
+  configs = round_cost.CONFIGS
+  assert width(configs["g3"]) == width(configs["g4"])
+  for name, (gamma, w) in round_cost.VERIFIES.items():
+    assert options_lib.Options(**configs[name]).gammas()[0] == gamma
+    assert width(configs[name]) == w
+  # Rounds built from known step costs give those costs back.
+  draft, verify = 0.02, {2: 0.05, 3: 0.055, 4: 0.06, 5: 0.065, 9: 0.1}
+  per_round = {"target": 0.044, "g1": draft + verify[2], "g2": 2 * draft + verify[3],
+               "g3": 3 * draft + verify[5], "g4": 4 * draft + verify[5],
+               "g8": 8 * draft + verify[9]}
+  derived = round_cost.derive(per_round)
+  assert derived["draft_step_s"] == pytest.approx(draft)
+  for w in (2, 3, 5, 9):
+    assert derived[f"verify{w}_s"] == pytest.approx(verify[w])

@@ -5,10 +5,11 @@
 
 Greedy, EOS off, one process, each configuration once untimed (compiles),
 then `--reps` alternating repetitions; medians of decode seconds per round.
-On a prompt the draft predicts fully (acceptance 1), fixed gamma 1 and 2
-both verify at width 3 (there is no width 2), so their difference is one
-draft step; target-only's round is one target step; gamma 8 gives the
-width-9 verify as its round less eight draft steps. The figures say how
+On a prompt the draft predicts fully (acceptance 1), fixed gamma 3 and 4
+under gamma_max 4 both verify at width 5 (`decode.verify_widths`: 2, 3, 5),
+so their difference is one draft step; target-only's round is one target
+step; each fixed gamma's round less its draft steps is the verify at its
+width (gamma 1: 2, gamma 2: 3, gamma 4: 5, gamma 8: 9). The figures say how
 much of a round the draft costs (docs/decisions-compact.md, "Where the
 default's gain went").
 """
@@ -22,7 +23,30 @@ import statistics
 import jspec
 
 CONFIGS = {"target": {"method": "target"}, "g1": {"policy": "fixed", "gamma": 1},
-           "g2": {"policy": "fixed", "gamma": 2}, "g8": {"policy": "fixed", "gamma": 8}}
+           "g2": {"policy": "fixed", "gamma": 2},
+           "g3": {"policy": "fixed", "gamma": 3, "gamma_max": 4},
+           "g4": {"policy": "fixed", "gamma": 4}, "g8": {"policy": "fixed", "gamma": 8}}
+# Each fixed configuration's drafts and the verify width they fill at acceptance 1.
+VERIFIES = {"g1": (1, 2), "g2": (2, 3), "g4": (4, 5), "g8": (8, 9)}
+
+
+def derive(per_round: dict) -> dict:
+  """The step costs behind the rounds: one draft step, and each verify width's forward.
+
+  Args:
+    per_round: median decode seconds per round of each configuration in
+      `CONFIGS`, at acceptance 1.
+
+  Returns:
+    target_step_s, draft_step_s, verify{T}_s for each width in `VERIFIES`,
+    and draft_over_target.
+  """
+  draft = per_round["g4"] - per_round["g3"]
+  out = {"target_step_s": per_round["target"], "draft_step_s": draft}
+  for name, (gamma, width) in VERIFIES.items():
+    out[f"verify{width}_s"] = per_round[name] - gamma * draft
+  out["draft_over_target"] = draft / per_round["target"]
+  return out
 
 
 def main(argv=None) -> int:
@@ -56,11 +80,7 @@ def main(argv=None) -> int:
          "acceptance": {k: v[0]["acceptance_rate"] for k, v in runs.items()},
          "decode_tokens_per_s": {k: statistics.median((s["new_tokens"] - 1) / s["decode_s"]
                                                       for s in v) for k, v in runs.items()}}
-  draft = per_round["g2"] - per_round["g1"]
-  out["derived"] = {"target_step_s": per_round["target"], "draft_step_s": draft,
-                    "verify3_s": per_round["g1"] - draft,
-                    "verify9_s": per_round["g8"] - 8 * draft,
-                    "draft_over_target": draft / per_round["target"]}
+  out["derived"] = derive(per_round)
   print(json.dumps(out, indent=1))
   return 0
 
