@@ -3,6 +3,7 @@
     matmul(x [..., K], panels [N/32, K, 32]) -> [..., N]                 (fp32)
     matmul_int8(xq [M, K], panels [N/32, K/4, 32, 4], sums [N]) -> [M, N] (exact int32)
     matmul_f32s8(x [M, K], qpanels [N/32, K, 32] int8) -> [M, N]       (fp32 x int8)
+    matmul_int4(xq [M, K], panels [N/32, K/32, 640]) -> [M, N]          (int8 x 4-bit blocks)
 
 XLA CPU's own dot re-packs its weight operand on every call and does not
 overlap those memory reads with the arithmetic, so a decode step, which
@@ -59,19 +60,22 @@ TARGET_BLK_MANY = "jspec_gemm_blk_many"  # several block matrices, one x (`matmu
 TARGET_BLK_FORMS = "jspec_gemm_blk_forms"  # a layer's blocks among layers of other forms
 TARGET_INT8_MANY = "jspec_gemm_i8_many"  # several int8 matrices, one x (`matmul_int8_many`)
 TARGET_S8_MANY = "jspec_gemm_s8_many"
+TARGET_INT4 = "jspec_gemm_i4"  # s8 x 4-bit blocks, the 4-bit draft (`cpu_int4.cc`)
+TARGET_INT4_MANY = "jspec_gemm_i4_many"
 # The same products with the weight picked from one buffer per layer (`LayerPick`).
 LAYER_TARGETS = {t: t + "_layer" for t in (TARGET, TARGET_INT8, TARGET_S8, TARGET_BLK,
                                            TARGET_BLK_SYM, TARGET_BLK4, TARGET_BLK4_SYM,
-                                           TARGET_BF16)}
+                                           TARGET_BF16, TARGET_INT4)}
 TARGET_ATTEND = "jspec_attend_f32"  # decode attention over the cache (`jspec.cpu_attention`)
 TARGET_F32S8 = "jspec_gemm_f32s8"  # f32 x s8 -> f32, the greedy head's estimate (`jspec.greedy_head`)
 TARGETS = (TARGET, TARGET_INT8, TARGET_S8, *LAYER_TARGETS.values(), TARGET_ATTEND, TARGET_F32S8,
            TARGET_BLK, TARGET_BLK_SYM, TARGET_BLK4, TARGET_BLK4_SYM, TARGET_BF16, TARGET_BLK_MANY,
-           TARGET_BLK_FORMS, TARGET_INT8_MANY, TARGET_S8_MANY)
+           TARGET_BLK_FORMS, TARGET_INT8_MANY, TARGET_S8_MANY, TARGET_INT4, TARGET_INT4_MANY)
 SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
-# The attention kernel, built into the same library; both sources include the
+# The attention and 4-bit draft kernels, built into the same library; the sources include the
 # thread helpers of HEADERS.
-OTHER_SOURCES = (pathlib.Path(__file__).with_name("cpu_attention.cc"),)
+OTHER_SOURCES = (pathlib.Path(__file__).with_name("cpu_attention.cc"),
+                 pathlib.Path(__file__).with_name("cpu_int4.cc"))
 HEADERS = (pathlib.Path(__file__).with_name("cpu_threads.h"),)
 _SYMBOLS = {TARGET: "JspecGemmF32", TARGET_INT8: "JspecGemmI8", TARGET_S8: "JspecGemmS8",
             LAYER_TARGETS[TARGET]: "JspecGemmF32Layer", LAYER_TARGETS[TARGET_INT8]: "JspecGemmI8Layer",
@@ -83,7 +87,9 @@ _SYMBOLS = {TARGET: "JspecGemmF32", TARGET_INT8: "JspecGemmI8", TARGET_S8: "Jspe
             LAYER_TARGETS[TARGET_BLK4_SYM]: "JspecGemmBlk4SymLayer", TARGET_BF16: "JspecGemmBf16",
             LAYER_TARGETS[TARGET_BF16]: "JspecGemmBf16Layer", TARGET_BLK_MANY: "JspecGemmBlkMany",
             TARGET_BLK_FORMS: "JspecGemmBlkForms",
-            TARGET_INT8_MANY: "JspecGemmI8Many", TARGET_S8_MANY: "JspecGemmS8Many"}
+            TARGET_INT8_MANY: "JspecGemmI8Many", TARGET_S8_MANY: "JspecGemmS8Many",
+            TARGET_INT4: "JspecGemmI4", LAYER_TARGETS[TARGET_INT4]: "JspecGemmI4Layer",
+            TARGET_INT4_MANY: "JspecGemmI4Many"}
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
 # How long the compiler may run before jspec gives up on the kernels for
 # this process and uses XLA's dot. On the 2-core host the build took 19 s
@@ -448,6 +454,145 @@ def matmul_int8_many(xq: jax.Array, parts) -> list[jax.Array]:
     outs.append(part - 128 * sums[None, :] if kind == "vnni" else part)
     start += n
   return outs
+
+
+INT4_BLOCK = 32  # inputs per scale and offset of a 4-bit draft matrix
+INT4_BLOCK_BYTES = 640  # a panel's block: 512 bytes of q, then 32 scales and 32 offsets (float16)
+
+
+def int4_available() -> bool:
+  """Whether `matmul_int4` runs jspec's kernel here (AVX-512 VNNI, on CPU).
+
+  Returns:
+    False where the kernels are not built, the host lacks AVX-512 VNNI, or
+    the default backend is not the CPU.
+  """
+  return (jax.default_backend() == "cpu" and available()
+          and bool(_LIBRARY.JspecHaveInt4()))
+
+
+def pack_int4(q: jax.Array, scale: jax.Array, offset: jax.Array) -> jax.Array:
+  """A 4-bit matrix W[k, n] = scale[n, k // 32] * q[n, k] + offset[n, k // 32] as the kernel's panels.
+
+  Byte b of lane l of the 64 bytes at 128 c + 64 h of block j holds output
+  16 h + l's q at input 32 j + 8 c + b (low nibble) and 32 j + 8 c + 4 + b
+  (high nibble), the layout `vpdpbusd` reads four inputs a lane in
+  (`cpu_int4.cc`); the block's 32 scales, then its 32 offsets, follow as
+  float16 (rounded to it here).
+
+  Args:
+    q: [N, K] integers in [0, 15]; N a multiple of `PANEL`, K of `INT4_BLOCK`.
+    scale, offset: [N, K / 32] float.
+
+  Returns:
+    [N / 32, K / 32, 640] uint8.
+
+  Raises:
+    ValueError: N or K is not a multiple of 32.
+  """
+  n, k = q.shape
+  if n % PANEL or k % INT4_BLOCK:
+    raise ValueError(f"cannot pack a [{n}, {k}] 4-bit matrix: expected outputs and inputs "
+                     f"multiples of {PANEL}")
+  return _pack_int4(jnp.asarray(q), jnp.asarray(scale), jnp.asarray(offset))
+
+
+@jax.jit
+def _pack_int4(q, scale, offset):  # [N, K], [N, J], [N, J] -> [N/32, J, 640]
+  n, k = q.shape
+  p, j = n // PANEL, k // INT4_BLOCK
+  q = q.astype(jnp.uint8).reshape(p, 2, 16, j, 4, 2, 4)  # (p, h, l, j, c, nibble, b)
+  byte = q[..., 0, :] | (q[..., 1, :] << 4)  # (p, h, l, j, c, b)
+  nibbles = byte.transpose(0, 3, 4, 1, 2, 5).reshape(p, j, 512)  # (p, j, c, h, l, b)
+
+  def halves(a):  # [N, J] -> [P, J, 64] bytes of float16, output order
+    a = a.astype(jnp.float16).reshape(p, PANEL, j).transpose(0, 2, 1)
+    return jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(p, j, 2 * PANEL)
+
+  return jnp.concatenate([nibbles, halves(scale), halves(offset)], axis=-1)
+
+
+def unpack_int4(panels: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The inverse of `pack_int4`: panels -> (q [N, K] uint8, scale [N, K/32], offset [N, K/32] float32)."""
+  panels = jnp.asarray(panels)
+  p, j, _ = panels.shape
+  byte = panels[..., :512].reshape(p, j, 4, 2, 16, 4).transpose(0, 3, 4, 1, 2, 5)  # (p,h,l,j,c,b)
+  q = jnp.stack([byte & 15, byte >> 4], axis=-2)  # (p, h, l, j, c, nibble, b)
+  q = q.reshape(p * PANEL, j * INT4_BLOCK)
+
+  def floats(a):  # [P, J, 64] bytes -> [N, J] float32
+    a = jax.lax.bitcast_convert_type(a.reshape(p, j, PANEL, 2), jnp.float16)
+    return a.astype(jnp.float32).transpose(0, 2, 1).reshape(p * PANEL, j)
+
+  return q, floats(panels[..., 512:576]), floats(panels[..., 576:640])
+
+
+def _int4_reference(xq: jax.Array, panels) -> jax.Array:
+  """`matmul_int4`'s sums without the kernel: each block's exact int32 sums, scaled in float32."""
+  if isinstance(panels, LayerPick):
+    panels = panels.value()
+  q, scale, offset = unpack_int4(panels)
+  m, k = xq.shape
+  blocks = xq.astype(jnp.int32).reshape(m, k // INT4_BLOCK, INT4_BLOCK)  # [M, J, 32]
+  qb = q.astype(jnp.int32).reshape(q.shape[0], k // INT4_BLOCK, INT4_BLOCK)  # [N, J, 32]
+  sums = jnp.einsum("mjb,njb->mnj", blocks, qb).astype(jnp.float32)  # [M, N, J]
+  xsum = jnp.sum(blocks, axis=-1).astype(jnp.float32)  # [M, J]
+  return jnp.sum(sums * scale[None] + xsum[:, None, :] * offset[None], axis=-1)
+
+
+def matmul_int4(xq: jax.Array, panels) -> jax.Array:
+  """xq @ W without xq's row scales, for W stored by `pack_int4`: [M, K] int8 -> [M, N] float32.
+
+  y[m, n] = sum over blocks j of scale[n, j] * (q[n, j] . xq[m, j]) +
+  offset[n, j] * sum(xq[m, j]): each block's sums exact in int32, then
+  scaled in float32. The kernel where it runs (`int4_available`), else the
+  same in XLA (equal up to the float32 sums' order).
+
+  Args:
+    xq: [M, K] int8 activations.
+    panels: as `pack_int4` returns them, or a `LayerPick` of such.
+
+  Returns:
+    [M, N] float32.
+  """
+  m, _ = xq.shape
+  if not int4_available():
+    return _int4_reference(xq, panels)
+  out_type = jax.ShapeDtypeStruct((m, panels.shape[0] * PANEL), jnp.float32)
+  return _call(TARGET_INT4, out_type, xq, panels)
+
+
+def matmul_int4_many(xq: jax.Array, parts) -> list[jax.Array]:
+  """`matmul_int4` of several matrices over the same xq, in one kernel call.
+
+  Each output is `matmul_int4(xq, part)`'s, bit for bit. Without the kernel,
+  or where the parts are not all arrays or all `LayerPick`s of one layer
+  count, each part is its own product.
+
+  Args:
+    xq: [M, K] int8 activations.
+    parts: panels per matrix (arrays or `LayerPick`s), as `matmul_int4` takes them.
+
+  Returns:
+    [M, N_j] float32 per part, in order.
+  """
+  m, _ = xq.shape
+  counts = {len(w.weights) if isinstance(w, LayerPick) else 0 for w in parts}
+  if len(parts) < 2 or not int4_available() or len(counts) != 1:
+    return [matmul_int4(xq, w) for w in parts]
+  layers = counts.pop()
+  widths = [w.shape[0] * PANEL for w in parts]
+  buffers, index = [], jnp.zeros((), jnp.int32)
+  for w in parts:
+    if layers:
+      buffers.extend(w.weights)
+      index = w.index.astype(jnp.int32)
+    else:
+      buffers.append(w)
+  out_type = jax.ShapeDtypeStruct((m, sum(widths)), jnp.float32)
+  y = jax.ffi.ffi_call(TARGET_INT4_MANY, out_type)(xq, index, *buffers, parts=len(parts),
+                                                  layers=max(layers, 1))
+  return list(jnp.split(y, np.cumsum(widths)[:-1], axis=1))
 
 
 def matmul_f32s8(x: jax.Array, qpanels: jax.Array) -> jax.Array:

@@ -22,6 +22,9 @@ is read. Stored forms:
               [0, 15] two to a byte; also the lossy int8 target's rows
               (`to_int8_blocks`) and the 4-bit draft's (`to_int4_blocks`)
   BF16Panels  bfloat16 kernel panels (a bfloat16 checkpoint, exactly)
+  Int4Panels  the 4-bit draft for the int4 kernel: per output and block of 32
+              inputs a float16 scale and offset and q in [0, 15], multiplied
+              on int8 activations (`cpu_kernels.pack_int4`)
 
 Axis letters in shape comments: I inputs, O outputs, V vocabulary, D width.
 """
@@ -149,6 +152,24 @@ class BF16Panels:
     return (i, n * width)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int4Panels:
+  """The 4-bit draft's matrix as the int4 kernel's panels (`cpu_kernels.pack_int4`).
+
+  W[k, n] = scale[n, k // 32] * q[n, k] + offset[n, k // 32], scale and
+  offset float16 and q in [0, 15]; multiplied, like `Int8Panels`, on
+  activations quantized to int8 per row.
+  """
+
+  panels: Any  # [O/32, I/32, 640] uint8 (or a `cpu_kernels.LayerPick`)
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    p, j, _ = self.panels.shape
+    return (j * cpu_kernels.INT4_BLOCK, p * PANEL)
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerForms:
   """Inside the layer loop, one matrix whose layers are `Blocks` of different forms (`pick`).
@@ -166,10 +187,10 @@ class LayerForms:
     return self.groups[0].shape
 
 
-Leaf = Union[Dense, Table, Panels, Int8, Int8Panels, Blocks, BF16Panels]
-LEAVES = (Dense, Table, Panels, Int8, Int8Panels, Blocks, BF16Panels)
+Leaf = Union[Dense, Table, Panels, Int8, Int8Panels, Blocks, BF16Panels, Int4Panels]
+LEAVES = (Dense, Table, Panels, Int8, Int8Panels, Blocks, BF16Panels, Int4Panels)
 # Leaves the kernels read in place inside the layer loop.
-KERNEL_LEAVES = (Panels, Int8Panels, Blocks, BF16Panels)
+KERNEL_LEAVES = (Panels, Int8Panels, Blocks, BF16Panels, Int4Panels)
 
 
 def is_leaf(x: Any) -> bool:
@@ -198,6 +219,8 @@ def dot(x: jax.Array, w: Leaf, out_dtype=None) -> jax.Array:
     return cpu_kernels.matmul(x, w.p)
   if isinstance(w, (Int8, Int8Panels)):
     return _dot_int8(x, w)
+  if isinstance(w, Int4Panels):
+    return _dot_int4(x, w)
   if isinstance(w, Blocks):
     return cpu_kernels.matmul_blocks(x.astype(jnp.float32), w.q, w.scale, w.offset)
   if isinstance(w, BF16Panels):
@@ -232,12 +255,19 @@ def dot_many(x: jax.Array, ws: Sequence[Leaf]) -> list[jax.Array]:
       groups.setdefault(("blocks",) + cpu_kernels.blocks_form(w.q, w.scale, w.offset), []).append(j)
     elif isinstance(w, Int8Panels):
       groups.setdefault(("int8", w.inputs), []).append(j)
+    elif isinstance(w, Int4Panels):
+      groups.setdefault(("int4",), []).append(j)
     else:
       out[j] = dot(x, w)
   for (kind, *_), members in groups.items():
     if kind == "blocks":
       ys = cpu_kernels.matmul_blocks_many(
           x.astype(jnp.float32), [(ws[j].q, ws[j].scale, ws[j].offset) for j in members])
+    elif kind == "int4":  # x quantized once for all of them, as `_dot_int4` does for each
+      lead = x.shape[:-1]
+      xq, x_scale = _quantize_rows_of(x.reshape(-1, x.shape[-1]).astype(jnp.float32))
+      accs = cpu_kernels.matmul_int4_many(xq, [ws[j].panels for j in members])
+      ys = [(acc * x_scale).reshape(*lead, -1) for acc in accs]
     else:  # x quantized once for all of them, as `_dot_int8` quantizes it for each
       lead = x.shape[:-1]
       xq, x_scale = _quantize_rows_of(x.reshape(-1, x.shape[-1]).astype(jnp.float32))
@@ -282,6 +312,14 @@ def lookup(w: Leaf, ids: jax.Array) -> jax.Array:
     return blocked.reshape(q.shape)
   if isinstance(w, BF16Panels):
     return w.p[ids // PANEL, :, ids % PANEL].astype(jnp.float32)
+  if isinstance(w, Int4Panels):
+    picked = w.panels[(ids // PANEL).reshape(-1)]  # [R, I/32, 640]: each id's whole panel
+    q, scale, offset = cpu_kernels.unpack_int4(picked)  # [R * 32, I], [R * 32, I/32] x 2
+    rows = jnp.arange(picked.shape[0]) * PANEL + (ids % PANEL).reshape(-1)  # [R]
+    q, scale, offset = q[rows].astype(jnp.float32), scale[rows], offset[rows]
+    size = cpu_kernels.INT4_BLOCK
+    blocked = q.reshape(q.shape[0], -1, size) * scale[..., None] + offset[..., None]
+    return blocked.reshape(*ids.shape, -1)
   raise TypeError(f"a {type(w).__name__} weight cannot be read by rows")
 
 
@@ -290,6 +328,14 @@ def _quantize_rows_of(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
   amax = jnp.max(jnp.abs(rows), axis=1, keepdims=True)  # [M, 1]
   x_scale = jnp.where(amax > 0, amax / 127.0, 1.0)
   return jnp.clip(jnp.round(rows / x_scale), -127, 127).astype(jnp.int8), x_scale
+
+
+def _dot_int4(x: jax.Array, w: Int4Panels) -> jax.Array:
+  """x @ W for the 4-bit draft's W with x quantized per row (symmetric): [..., I] -> [..., O] float32."""
+  lead, i = x.shape[:-1], x.shape[-1]
+  xq, x_scale = _quantize_rows_of(x.reshape(-1, i).astype(jnp.float32))  # [M, I], [M, 1]
+  y = cpu_kernels.matmul_int4(xq, w.panels) * x_scale
+  return y.reshape(*lead, y.shape[-1])
 
 
 def _dot_int8(x: jax.Array, w: Union[Int8, Int8Panels]) -> jax.Array:
@@ -484,6 +530,52 @@ def _quantize_int4(m: jax.Array, size: int):  # [O, I] -> ([O, I] int8, [O, I/B]
   return q.reshape(o, i).astype(jnp.int8), scale, low
 
 
+def to_int4_panels(w: Leaf) -> Leaf:
+  """W in 4 bits for the int4 kernel: `to_int4_blocks`' numbers, scale and offset in float16.
+
+  The 4-bit draft where the int4 kernel runs (`cpu_kernels.int4_available`):
+  its q are multiplied on int8 activations by `vpdpbusd`, four to an
+  instruction, where the block kernel widens each to float32; and its
+  scales and offsets take 0.125 bytes a weight instead of 0.25.
+
+  Args:
+    w: a float leaf (`Dense`, `Table`, or a packed form, widened first).
+
+  Returns:
+    An `Int4Panels` leaf: per output and block of 32 inputs, offset the
+    block's minimum and scale its range / 15 (1 where the range is 0), both
+    rounded to float16, and q = round((W - offset) / scale) in [0, 15];
+    where the outputs or inputs are not multiples of 32, `to_int4_blocks`'
+    leaf instead.
+  """
+  i, o = w.shape
+  if i % cpu_kernels.INT4_BLOCK or o % PANEL:
+    return to_int4_blocks(w)
+  if isinstance(w, Dense):
+    rows = w.w.T
+  elif isinstance(w, Table):
+    rows = w.t
+  elif isinstance(w, (Panels, Blocks, BF16Panels)):
+    rows = matrix(w).T
+  else:
+    raise TypeError(f"cannot quantize a {type(w).__name__} weight")
+  q, scale, offset = _quantize_int4_half(rows)
+  return Int4Panels(jax.block_until_ready(cpu_kernels.pack_int4(q, scale, offset)))
+
+
+@jax.jit
+def _quantize_int4_half(m: jax.Array):  # [O, I] -> ([O, I] uint8, [O, I/32], [O, I/32])
+  o, i = m.shape
+  blocked = m.astype(jnp.float32).reshape(o, i // cpu_kernels.INT4_BLOCK, -1)
+  low, high = jnp.min(blocked, axis=2), jnp.max(blocked, axis=2)  # [O, I/B]
+  # q is chosen against the float16 scale and offset the panels hold.
+  offset = low.astype(jnp.float16).astype(jnp.float32)
+  scale = jnp.where(high > low, (high - low) / INT4_MAX, 1.0).astype(jnp.float16).astype(jnp.float32)
+  scale = jnp.where(scale > 0, scale, 1.0)  # a range below float16's smallest
+  q = jnp.clip(jnp.round((blocked - offset[..., None]) / scale[..., None]), 0, INT4_MAX)
+  return q.reshape(o, i).astype(jnp.uint8), scale, offset
+
+
 # Bytes of float32 input quantized per call of `_quantize_rows`: a large
 # matrix (a 150k-token table or head) goes through in slices of its outputs,
 # so loading holds one slice's copy and temporaries, not the whole matrix's.
@@ -560,6 +652,10 @@ def matrix(w: Leaf) -> jax.Array:
     return cpu_kernels.unpack(cpu_kernels.widen_blocks(w.q, w.scale, w.offset))
   if isinstance(w, BF16Panels):
     return cpu_kernels.unpack(w.p)
+  if isinstance(w, Int4Panels):
+    q, scale, offset = cpu_kernels.unpack_int4(w.panels)  # [O, I], [O, I/32] x 2
+    blocked = q.astype(jnp.float32).reshape(q.shape[0], -1, cpu_kernels.INT4_BLOCK)
+    return (blocked * scale[..., None] + offset[..., None]).reshape(q.shape).T
   raise TypeError(f"not a weight leaf: {type(w).__name__}")
 
 
@@ -635,6 +731,8 @@ def pick(layers: list, index: jax.Array) -> Any:
       return LayerForms(groups, jnp.asarray(group_of, jnp.int32)[index], local)
     if isinstance(first, BF16Panels):
       return BF16Panels(cpu_kernels.LayerPick(tuple(w.p for w in leaves), index))
+    if isinstance(first, Int4Panels):
+      return Int4Panels(cpu_kernels.LayerPick(tuple(w.panels for w in leaves), index))
     if first is None:
       return None
     return jnp.stack(leaves)[index]

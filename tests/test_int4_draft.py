@@ -1,15 +1,22 @@
 """The 4-bit draft (`jspec.Settings(draft_int4=True)`) keeps the output the target's.
 
 `weights.to_int4_blocks` stores each output's block of 32 inputs as
-scale * q + offset, q in [0, 15] two to a byte; the draft only proposes,
-so its rounding changes acceptance, never the output. The pairs here are
-kernel-sized (outputs and inputs multiples of 32, the table tied as in the
-real drafts), so the draft really runs on `jspec_gemm_blk4`. Planted by
+scale * q + offset, q in [0, 15] two to a byte; `weights.to_int4_panels`
+holds the same numbers with scale and offset in float16 for the int4
+kernel (int8 activations, AVX-512 VNNI hosts), which `bundle.prepare`
+picks where it runs. The draft only proposes, so its rounding changes
+acceptance, never the output. The pairs here are kernel-sized (outputs and
+inputs multiples of 32, the table tied as in the real drafts), so the
+draft really runs on `jspec_gemm_i4` or `jspec_gemm_blk4`; the engine tests
+run both forms (the float one forced by `int4_available` patched off).
+Kernel-level tests of `jspec_gemm_i4`: `test_int4_kernel.py`. Planted by
 hand, each failing here:
   - the offset dropped (W = scale * q), q off by one (round(...) + 1,
     clipped), the scale the range / 16 instead of / 15: the quantization
     tests (7 of them each);
-  - the setting ignored in `bundle.prepare`: the storage tests.
+  - the setting ignored in `bundle.prepare`: the storage tests;
+  - `bundle.prepare` taking the float form where the int4 kernel runs:
+    the storage test's int4 case.
 Greedy output and sampling stay the target's with any of the first three
 (the draft only proposes), so the engine tests check losslessness with the
 4-bit draft, not its rounding.
@@ -115,22 +122,39 @@ def test_reproduces_a_4_bit_matrix_exactly(form):
     np.testing.assert_array_equal(np.asarray(weights.lookup(got, ids)), rows[[0, 5, 63]])
 
 
+needs_int4 = pytest.mark.skipif(not cpu_kernels.int4_available(),
+                                reason="the int4 kernel needs AVX-512 VNNI")
+FORMS = [pytest.param("int4", marks=needs_int4), "blocks"]
+
+
+@pytest.fixture
+def form(request, monkeypatch):
+  """The 4-bit draft's stored form under test: "blocks" turns the int4 kernel off first."""
+  if request.param == "blocks":
+    monkeypatch.setattr(cpu_kernels, "int4_available", lambda: False)
+  return {"int4": weights.Int4Panels, "blocks": weights.Blocks}[request.param]
+
+
 @needs_kernels
-def test_the_draft_is_stored_in_4_bits_and_the_target_is_not():
+@pytest.mark.parametrize("form", FORMS, indirect=True)
+def test_the_draft_is_stored_in_4_bits_and_the_target_is_not(form):
   bundle = _close_pair(draft_int4=True)
   draft = [l for l in jax.tree.leaves(bundle.draft.params, is_leaf=weights.is_leaf)
            if weights.is_leaf(l)]
-  blocks = [l for l in draft if isinstance(l, weights.Blocks)]
+  blocks = [l for l in draft if isinstance(l, form)]
   # q, o, gate, up and down of both layers and the tied table; k and v (16 outputs) stay Dense.
-  assert len(blocks) == 5 * CFG.num_layers + 1 and all(cpu_kernels.is_nibbles(l.q) for l in blocks)
-  assert all(l.offset is not None and l.block == weights.INT8_BLOCK for l in blocks)
-  assert isinstance(model.head_of(model.merge(CFG, bundle.draft.params)), weights.Blocks)
+  assert len(blocks) == 5 * CFG.num_layers + 1
+  assert isinstance(model.head_of(model.merge(CFG, bundle.draft.params)), form)
   target = _close_pair()
   t_leaves = jax.tree.leaves(bundle.target.params, is_leaf=weights.is_leaf)
   for a, b in zip(t_leaves, jax.tree.leaves(target.target.params, is_leaf=weights.is_leaf)):
     assert type(a) is type(b)  # the setting is the draft's alone
-  for l in blocks:  # half a byte a weight, and a float32 scale and offset per 32 weights
-    assert l.q.size * 2 == l.shape[0] * l.shape[1] == l.scale.size * 32 == l.offset.size * 32
+  for l in blocks:
+    if form is weights.Blocks:  # half a byte a weight, a float32 scale and offset per 32
+      assert cpu_kernels.is_nibbles(l.q) and l.offset is not None and l.block == weights.INT8_BLOCK
+      assert l.q.size * 2 == l.shape[0] * l.shape[1] == l.scale.size * 32 == l.offset.size * 32
+    else:  # half a byte a weight, a float16 scale and offset per 32: 640 bytes per 1024
+      assert l.panels.dtype == jnp.uint8 and l.panels.size * 1024 == l.shape[0] * l.shape[1] * 640
 
 
 CASES = {
@@ -141,8 +165,9 @@ CASES = {
 
 
 @needs_kernels
+@pytest.mark.parametrize("form", FORMS, indirect=True)
 @pytest.mark.parametrize("name", list(CASES))
-def test_greedy_output_is_target_only(name):
+def test_greedy_output_is_target_only(name, form):
   int8 = _close_pair()
   int4 = _close_pair(draft_int4=True)
   prompts = [tiny.prompt(s, n, CFG.vocab_size) for s, n in ((1, 6), (2, 9), (3, 4))]
@@ -151,6 +176,7 @@ def test_greedy_output_is_target_only(name):
   assert [r.token_ids for r in got] == want
   drafted = sum(r.stats["drafted"] for r in got)
   assert drafted > 0
+  assert isinstance(int4.draft.params["layers"]["0"]["mlp"]["down"]["w"], form)
   if name == "model-fixed4":  # a draft close to the target stays close in 4 bits
     ref = jspec.generate(int8, prompts, max_new_tokens=16, **CASES[name])
     rate = lambda rs: sum(r.stats["accepted"] for r in rs) / sum(r.stats["drafted"] for r in rs)
@@ -158,12 +184,13 @@ def test_greedy_output_is_target_only(name):
 
 
 @needs_kernels
-def test_greedy_with_a_cut_vocabulary():
+@pytest.mark.parametrize("form", FORMS, indirect=True)
+def test_greedy_with_a_cut_vocabulary(form):
   """draft_int4 with draft_vocab: the subset's head rows in 4 bits, the output still the target's."""
   full = _close_pair(draft_int4=True)
   cut = bundle_lib.make(*[(CFG, p) for p in _pair_params()], settings=jspec.Settings(
       draft_int4=True, draft_vocab=5), ranking=list(range(63, -1, -1)))
-  assert isinstance(cut.draft.params["vocab_head"], weights.Blocks)
+  assert isinstance(cut.draft.params["vocab_head"], form)
   ids = np.asarray(cut.draft.params["vocab_ids"])
   assert ids.tolist() == list(range(32, 64))  # 5 rounded up to a whole panel
   np.testing.assert_array_equal(
@@ -176,7 +203,8 @@ def test_greedy_with_a_cut_vocabulary():
 
 
 @needs_kernels
-def test_sampling_follows_the_target_with_a_4_bit_draft():
+@pytest.mark.parametrize("form", FORMS, indirect=True)
+def test_sampling_follows_the_target_with_a_4_bit_draft(form):
   """The chi-square test of `test_lossless` over the first two tokens, the 4-bit draft's q."""
   bundle = _close_pair(draft_int4=True)
   spec = jspec.Options(temperature=1.0, gamma=3, policy="fixed").spec(
