@@ -54,10 +54,11 @@ class Settings:
       rows where the draft's vocabulary is larger and its tokenizer ranks
       the ids, else the whole vocabulary.
     draft_int4: store the draft's matrices in 4 bits, a scale and an
-      offset per output and block of 32 inputs (`weights.to_int4_blocks`),
-      multiplied with float32 activations by the block kernel: fewer bytes
-      per draft step; lossless, as the output stays the target's. Needs
-      jspec's CPU kernels.
+      offset per output and block of 32 inputs: fewer bytes per draft
+      step; lossless, as the output stays the target's. Where the CPU has
+      AVX-512 VNNI they are multiplied on int8 activations by the int4
+      kernel (`weights.to_int4_panels`), else on float32 ones by the block
+      kernel (`weights.to_int4_blocks`). Needs jspec's CPU kernels.
   """
 
   kernels: Optional[bool] = None
@@ -238,7 +239,9 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
     # Float activations, not the draft's W8A8: a verify row must equal the step's.
     convert_leaf = weights.to_int8_blocks
   elif role == "draft" and settings.draft_int4:
-    convert_leaf = weights.to_int4_blocks
+    # On int8 activations where the int4 kernel runs, else on float32 ones.
+    convert_leaf = (weights.to_int4_panels if cpu_kernels.int4_available()
+                    else weights.to_int4_blocks)
   elif draft_int8:
     packed = kernels and cpu_kernels.int8_available()
     convert_leaf = lambda w: weights.to_int8(w, panels=packed)
