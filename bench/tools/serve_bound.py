@@ -57,7 +57,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
