@@ -6,11 +6,13 @@
 
 Loads the default pair once, and the same draft restricted to each K
 (`jspec.Settings(draft_vocab=K)`) beside the same target; with
-`--draft-int4` also the draft in 4 bits (`jspec.Settings(draft_int4=True)`,
-named "int4"; `--k ""` for it alone), and with `--int4-head` the default
-draft with only its head taken from the 4-bit one (the table too where tied),
-named "int4_head" (a measurement: no setting loads it). "full" is the draft with its
-whole head (`draft_vocab=0`; int8 on CPU): every ratio "over_full" is over it. Measures, all
+`--draft-int4` also the draft in 4 bits (`jspec.Settings(draft_int4=True)`),
+with its whole head as "int4" and restricted to each K as "int4_kK" (`--k ""`
+for "int4" alone), and with `--int4-head` the int8 draft with only its head
+taken from the 4-bit one (the table too where tied), named "int4_head" (a
+measurement: no setting loads it). "full" and "kK" are the int8 draft
+(`draft_int4=False`), "full" with its whole head (`draft_vocab=0`): every
+ratio "over_full" is over it. Measures, all
 greedy and alternated within each repetition so that host drift falls on
 every configuration alike:
 
@@ -159,7 +161,8 @@ def main(argv=None) -> int:
   parser.add_argument("--k", default="16384,32768,65536",
                       help="comma-separated K values (\"\" for none, with --draft-int4)")
   parser.add_argument("--draft-int4", action="store_true",
-                      help="also the draft in 4 bits (jspec.Settings(draft_int4=True)), as \"int4\"")
+                      help="also the draft in 4 bits (jspec.Settings(draft_int4=True)), as \"int4\" "
+                      "and at each K as \"int4_kK\"")
   parser.add_argument("--int4-head", action="store_true",
                       help="with --draft-int4, also the default draft with the 4-bit draft's "
                       "head, as \"int4_head\"")
@@ -183,14 +186,19 @@ def main(argv=None) -> int:
     parser.error("--int4-head needs --draft-int4")
 
   t0 = time.perf_counter()
-  full = jspec.load(progress=False, settings=jspec.Settings(draft_vocab=0))
+  # Each draft's storage is named, not the default's: the int8 draft, or with
+  # --draft-int4 the 4-bit one.
+  full = jspec.load(progress=False, settings=jspec.Settings(draft_vocab=0, draft_int4=False))
   bundles = {"full": full}
   for k in ks:
-    cut = jspec.load(progress=False, settings=jspec.Settings(draft_vocab=k))
+    cut = jspec.load(progress=False, settings=jspec.Settings(draft_vocab=k, draft_int4=False))
     bundles[f"k{k}"] = bundle_lib.Bundle(full.target, cut.draft, full.tokenizer)
   if args.draft_int4:
     int4 = jspec.load(progress=False, settings=jspec.Settings(draft_int4=True, draft_vocab=0))
     bundles["int4"] = bundle_lib.Bundle(full.target, int4.draft, full.tokenizer)
+    for k in ks:
+      cut = jspec.load(progress=False, settings=jspec.Settings(draft_int4=True, draft_vocab=k))
+      bundles[f"int4_k{k}"] = bundle_lib.Bundle(full.target, cut.draft, full.tokenizer)
     if args.int4_head:  # the int8 layers, the 4-bit head: where the 4-bit form gains
       params = dict(full.draft.params)
       if full.draft.cfg.tie_word_embeddings:
