@@ -89,9 +89,10 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
   what.add_argument("--draft-vocab", type=int, default=None, metavar="K",
                     help="load the draft with its head cut to the K most frequent tokens "
                          "(jspec.Settings(draft_vocab=K); default: the Settings default)")
-  what.add_argument("--draft-int4", action="store_true",
-                    help="load the draft with 4-bit weights (jspec.Settings(draft_int4=True); "
-                         "default: int8 on CPU)")
+  what.add_argument("--draft-int4", action=argparse.BooleanOptionalAction, default=None,
+                    help="load the draft with 4-bit weights (jspec.Settings(draft_int4=True)), "
+                         "or with --no-draft-int4 int8 ones (default: the Settings default, "
+                         "4-bit where the CPU has AVX-512 VNNI)")
   what.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 128)")
   what.add_argument("--reps", type=int, help="timed repetitions; figures are medians (default 3)")
   what.add_argument("--stop-at-eos", action="store_true",

@@ -35,6 +35,7 @@ from bench import shapes
 from jspec import bundle as bundle_lib
 from jspec import model as model_lib
 from jspec import modules
+from jspec import weights
 
 FLOAT_DRAFT = bundle_lib.Settings(draft_int8=False)  # the settings a float-draft mode's draft has
 
@@ -79,8 +80,11 @@ class Loaded:
 
 
 def _describe(m: jspec.Model, path: Optional[str] = None) -> dict[str, Any]:
+  # The stored forms say which draft (4-bit, int8, float) a run measured.
+  forms = sorted({type(leaf).__name__ for leaf in jax.tree.leaves(m.params, is_leaf=weights.is_leaf)
+                  if weights.is_leaf(leaf)})
   return {"config": m.cfg.to_dict(), "path": path, "backend": dataclasses.asdict(m.backend),
-          "param_bytes": memory.param_bytes(m.params),
+          "leaf_forms": forms, "param_bytes": memory.param_bytes(m.params),
           "forward_bytes": memory.forward_bytes(m.cfg, m.params)}
 
 
@@ -161,7 +165,7 @@ def checkpoint_files(model: str, dtype: str = "float32") -> tuple[str, str]:
 
 def load(model: str, target: Optional[str], draft: Optional[str], dtype: Optional[str],
          random_weights: bool, smoke: bool, float_draft: bool = False,
-         draft_vocab: Optional[int] = None, draft_int4: bool = False) -> Loaded:
+         draft_vocab: Optional[int] = None, draft_int4: Optional[bool] = None) -> Loaded:
   """Loads (or builds) the pair a run measures.
 
   Args:
@@ -176,7 +180,8 @@ def load(model: str, target: Optional[str], draft: Optional[str], dtype: Optiona
       (`Loaded.float_bundle`).
     draft_vocab: `jspec.Settings.draft_vocab` for the run's draft (None:
       the Settings default; 0: the whole vocabulary).
-    draft_int4: `jspec.Settings.draft_int4` for the run's draft.
+    draft_int4: `jspec.Settings.draft_int4` for the run's draft (None: the
+      Settings default).
 
   Returns:
     The loaded models.
@@ -185,8 +190,8 @@ def load(model: str, target: Optional[str], draft: Optional[str], dtype: Optiona
   settings = bundle_lib.Settings()
   if draft_vocab is not None:
     settings = dataclasses.replace(settings, draft_vocab=draft_vocab)
-  if draft_int4:
-    settings = dataclasses.replace(settings, draft_int4=True)
+  if draft_int4 is not None:
+    settings = dataclasses.replace(settings, draft_int4=draft_int4)
   float_dtype = dtype if dtype not in (None, "exact") else "float32"  # random weights, float draft
   f_draft = None
   if smoke or random_weights:

@@ -72,8 +72,8 @@ def _settings(opts, chosen, prompt_list) -> dict[str, Any]:
       "gammas": opts.gammas, "max_new_tokens": opts.max_new_tokens, "reps": opts.reps,
       "dtype": opts.dtype, "device": opts.device, "stop_at_eos": opts.stop_at_eos,
       "draft_vocab": getattr(opts, "draft_vocab", None),
-      # None when off, as in runs from before the flag (so --resume still matches them).
-      "draft_int4": True if getattr(opts, "draft_int4", False) else None,
+      # None: the Settings default (4-bit where the int4 kernel runs).
+      "draft_int4": getattr(opts, "draft_int4", None),
       "stopping_rule": ("EOS on both sides (jspec stop_at_eos=True, HF eos_token_id = the same "
                         "ids)" if opts.stop_at_eos else
                         "EOS disabled on both sides (jspec stop_at_eos=False, HF "
@@ -182,7 +182,7 @@ def _jspec_phase(opts, doc, out, chosen, prompt_list, hist_doc, order,
   loaded = models.load(opts.model, opts.target, opts.draft, opts.dtype, opts.random_weights,
                        opts.smoke, float_draft=any(m.draft_int8 is False for m in jmodes),
                        draft_vocab=getattr(opts, "draft_vocab", None),
-                       draft_int4=getattr(opts, "draft_int4", False))
+                       draft_int4=getattr(opts, "draft_int4", None))
   # The ids jspec stops at under --stop-at-eos (as `jspec.generate` picks
   # them), so that the HF peers stop at the same ones.
   eos = (getattr(loaded.bundle.tokenizer, "eos_token_ids", ())
@@ -484,7 +484,7 @@ def _target_after_hf(opts, doc, out, chosen, measured, order) -> None:
   _log(f"jspec target-only again after the HF peers, on {len(todo)} prompts (the bracket)")
   loaded = models.load(opts.model, opts.target, opts.draft, opts.dtype, opts.random_weights,
                        opts.smoke, draft_vocab=getattr(opts, "draft_vocab", None),
-                       draft_int4=getattr(opts, "draft_int4", False))
+                       draft_int4=getattr(opts, "draft_int4", None))
   t_bytes = loaded.info["target"]["forward_bytes"]
   last_read = _bandwidth_read(opts)
   for name in todo:

@@ -58,7 +58,10 @@ class Settings:
       step; lossless, as the output stays the target's. Where the CPU has
       AVX-512 VNNI they are multiplied on int8 activations by the int4
       kernel (`weights.to_int4_panels`), else on float32 ones by the block
-      kernel (`weights.to_int4_blocks`). Needs jspec's CPU kernels.
+      kernel (`weights.to_int4_blocks`). True needs jspec's CPU kernels.
+      None: on where the int4 kernel runs and `draft_int8` is None (a
+      cheaper draft step than int8 there, where the float block form is
+      not), else off.
   """
 
   kernels: Optional[bool] = None
@@ -68,15 +71,15 @@ class Settings:
   fused_attention: bool = True
   scan_layers: bool = True
   draft_vocab: Optional[int] = None
-  draft_int4: bool = False
+  draft_int4: Optional[bool] = None
 
   def __post_init__(self):
     object.__setattr__(self, "draft_vocab", draft_vocab_lib.check(self.draft_vocab))
-    for name in ("kernels", "draft_int8"):
-      if getattr(self, name) not in (None, True, False):
+    for name in ("kernels", "draft_int8", "draft_int4"):
+      if not any(getattr(self, name) is v for v in (None, True, False)):  # 1 == True: not a bool
         raise ValueError(f"{name}={getattr(self, name)!r}: expected True, False or None "
                          "(the device's default)")
-    for name in ("target_int8", "greedy_head", "fused_attention", "scan_layers", "draft_int4"):
+    for name in ("target_int8", "greedy_head", "fused_attention", "scan_layers"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")
     if self.draft_int4 and self.draft_int8 is not None:
@@ -85,6 +88,24 @@ class Settings:
     if self.draft_int4 and self.kernels is False:
       raise ValueError("draft_int4=True with kernels=False: expected kernels True or None "
                        "(the 4-bit draft runs on jspec's CPU kernels)")
+
+
+def draft_int4(settings: Settings, kernels: bool) -> bool:
+  """Whether a draft prepared with `settings` is stored in 4 bits.
+
+  Args:
+    settings: the load-time choices.
+    kernels: whether jspec's CPU kernels run the draft.
+
+  Returns:
+    `settings.draft_int4` where it is set; for None, whether the int4
+    kernel runs here and the int8 draft was not asked for by name
+    (`draft_int8` None): on int8 activations the 4-bit step is the
+    cheaper one, on the float block kernel it is not.
+  """
+  if settings.draft_int4 is not None:
+    return settings.draft_int4
+  return settings.draft_int8 is None and kernels and cpu_kernels.int4_available()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,9 +220,10 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
     cfg: the model's config.
     params: its params tree with float matrices (`model.init_params`, or
       a loaded checkpoint).
-    role: "target" or "draft" (a draft is int8 by default on CPU, 4-bit
-      with `draft_int4`: its output is exact either way; a target only with
-      `target_int8`, which is lossy; only a target gets a greedy head).
+    role: "target" or "draft" (a draft is 4-bit by default where the int4
+      kernel runs and int8 elsewhere on CPU (`draft_int4`): its output is
+      exact either way; a target only with `target_int8`, which is lossy;
+      only a target gets a greedy head).
     settings: the load-time choices.
     consume: empty `params` as it goes (loading: peak memory is then the
       model plus one matrix); otherwise it is left as it was.
@@ -229,7 +251,7 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
   elif kernels and not (where == "cpu" and cpu_kernels.available()):
     raise ValueError("kernels=True, but jspec's CPU kernels cannot run here: "
                      + (cpu_kernels.unavailable_reason() or f"the params are on {where}"))
-  if role == "draft" and settings.draft_int4 and not kernels:
+  if role == "draft" and settings.draft_int4 is True and not kernels:
     raise ValueError("draft_int4=True, but jspec's CPU kernels do not run here: expected a CPU "
                      "where they build (" + (cpu_kernels.unavailable_reason()
                                               or f"the params are on {where}") + ")")
@@ -238,7 +260,7 @@ def prepare(cfg: config_lib.Qwen2Config, params: dict, role: str = "target",
   if role == "target" and settings.target_int8:
     # Float activations, not the draft's W8A8: a verify row must equal the step's.
     convert_leaf = weights.to_int8_blocks
-  elif role == "draft" and settings.draft_int4:
+  elif role == "draft" and draft_int4(settings, kernels):
     # On int8 activations where the int4 kernel runs, else on float32 ones.
     convert_leaf = (weights.to_int4_panels if cpu_kernels.int4_available()
                     else weights.to_int4_blocks)

@@ -40,6 +40,10 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a closed pipe
 
 DTYPES = ("exact", "float32", "bfloat16", "float16")
+DRAFT_INT4_HELP = ("draft with 4-bit weights (a scale and an offset per block of 32: fewer bytes "
+                   "per draft step than int8; the output is the target's either way; needs "
+                   "jspec's CPU kernels). Default: on where the CPU has AVX-512 VNNI (the int4 "
+                   "kernel), else int8; --no-draft-int4 keeps the int8 draft")
 
 
 class UsageError(Exception):
@@ -132,10 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--float-draft", action="store_true",
                    help="draft with the draft's float weights (default on CPU: int8, about half "
                    "the cost per draft step; the output is the target's either way)")
-  gen.add_argument("--draft-int4", action="store_true",
-                   help="draft with 4-bit weights (a scale and an offset per block of 32: fewer "
-                   "bytes per draft step than the default int8; the output is the target's either "
-                   "way; needs jspec's CPU kernels)")
+  gen.add_argument("--draft-int4", action=argparse.BooleanOptionalAction, default=None,
+                   help=DRAFT_INT4_HELP)
   which = gen.add_mutually_exclusive_group()
   which.add_argument("--model", metavar="NAME",
                      help=f"a known model or pair (default: {loading.DEFAULT_PAIR}; see "
@@ -190,10 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "the special tokens': a cheaper draft step; the output is the target's either "
                    f"way); 0: the whole vocabulary (default: {draft_vocab_lib.DEFAULT} where the "
                    "draft's vocabulary is larger)")
-  srv.add_argument("--draft-int4", action="store_true",
-                   help="draft with 4-bit weights (a scale and an offset per block of 32: fewer "
-                   "bytes per draft step than the default int8; the output is the target's either "
-                   "way; needs jspec's CPU kernels)")
+  srv.add_argument("--draft-int4", action=argparse.BooleanOptionalAction, default=None,
+                   help=DRAFT_INT4_HELP)
   srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
   srv.add_argument("--port", type=_number(int), default=8000, help="port (default: 8000; 0: any)")
   srv.add_argument("--max-queue", type=_number(int), default=64, metavar="N",

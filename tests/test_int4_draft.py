@@ -215,8 +215,8 @@ def test_sampling_follows_the_target_with_a_4_bit_draft(form):
 
 
 @pytest.mark.parametrize("settings,words", [
-    (dict(draft_int4=1), ("draft_int4=1", "expected True or False")),
-    (dict(draft_int4="yes"), ("draft_int4='yes'", "expected True or False")),
+    (dict(draft_int4=1), ("draft_int4=1", "expected True, False or None")),
+    (dict(draft_int4="yes"), ("draft_int4='yes'", "expected True, False or None")),
     (dict(draft_int4=True, draft_int8=True), ("draft_int8=True", "expected draft_int8 None")),
     (dict(draft_int4=True, draft_int8=False), ("draft_int8=False", "expected draft_int8 None")),
     (dict(draft_int4=True, kernels=False), ("kernels=False", "expected kernels True or None")),
@@ -246,6 +246,20 @@ def test_the_setting_is_part_of_the_keys(tmp_path):
       gguf, "exact", "draft")
   assert prepared.key("s", "draft", "exact", int4) != prepared.key(
       "s", "draft", "exact", jspec.Settings())
+  assert prepared.key("s", "draft", "exact", jspec.Settings(draft_int4=False)) != prepared.key(
+      "s", "draft", "exact", jspec.Settings())
+
+
+@pytest.mark.parametrize("available", [True, False], ids=["vnni", "no-vnni"])
+def test_the_default_is_4_bit_where_the_int4_kernel_runs(monkeypatch, available):
+  monkeypatch.setattr(cpu_kernels, "int4_available", lambda: available)
+  on = bundle_lib.draft_int4
+  assert on(jspec.Settings(), kernels=True) is available
+  assert on(jspec.Settings(), kernels=False) is False  # the float block form is no gain
+  assert on(jspec.Settings(draft_int8=True), kernels=True) is False  # int8 asked for by name
+  assert on(jspec.Settings(draft_int8=False), kernels=True) is False  # the float draft
+  assert on(jspec.Settings(draft_int4=False), kernels=True) is False
+  assert on(jspec.Settings(draft_int4=True), kernels=True) is True
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -272,5 +286,10 @@ def test_the_flag_reaches_the_settings(capsys, monkeypatch):
   monkeypatch.setattr(loading, "load", load)
   assert cli.main(["generate", "hi", "--draft-int4"]) == 2
   assert cli.main(["generate", "hi", "--draft-int4", "--method", "lookup_model"]) == 2
-  assert seen == [jspec.Settings(draft_int4=True)] * 2
+  assert cli.main(["generate", "hi", "--no-draft-int4"]) == 2
+  assert cli.main(["generate", "hi", "--no-draft-int4", "--float-draft"]) == 2
+  assert cli.main(["generate", "hi"]) == 2
+  assert seen == [jspec.Settings(draft_int4=True)] * 2 + [
+      jspec.Settings(draft_int4=False), jspec.Settings(draft_int4=False, draft_int8=False),
+      jspec.Settings()]
   assert "recorded" in capsys.readouterr().err

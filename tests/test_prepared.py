@@ -41,7 +41,7 @@ def test_round_trip_is_the_same_tree_and_bytes(bundle, tmp_path, role):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(p))
   if cpu_kernels.available():  # the forms the kernels read were stored, not rebuilt
     kinds = {type(x).__name__ for x in jax.tree.leaves(back.params, is_leaf=weights.is_leaf)}
-    assert kinds & {"Panels", "Int8Panels"}, kinds
+    assert kinds & {"Panels", "Int8Panels", "Int4Panels"}, kinds
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="aliasing host memory is CPU's")

@@ -54,7 +54,7 @@ def test_only_the_opt_in_quantizes_the_target():
   assert all(_is_int8_blocks(w) for w in _matrices(q8)), {type(w) for w in _matrices(q8)}
   assert q8.backend.dtype == "float32"
   # The draft's int8 form is its own (activations quantized too: it only proposes).
-  bundle = tiny.packable_pair(5, target_int8=True)
+  bundle = tiny.packable_pair(5, target_int8=True, draft_int4=False)
   assert all(_is_int8_blocks(w) for w in _matrices(bundle.target))
   assert all(isinstance(w, INT8) for w in _matrices(bundle.draft))
   with pytest.raises(ValueError, match="target_int8='yes': expected True or False"):

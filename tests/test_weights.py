@@ -120,20 +120,28 @@ def test_prepare_leaves_its_input_alone_unless_told_to_consume_it(kernels):
 
 
 @pytest.mark.slow
-def test_the_draft_is_int8_on_cpu_unless_asked_and_the_target_never_is():
-  int8 = tiny.packable_pair(3)
+def test_the_draft_is_4bit_where_the_int4_kernel_runs_else_int8_and_the_target_never_is():
+  INT8 = (weights.Int8, weights.Int8Panels)
+  default = tiny.packable_pair(3)
+  kinds = {type(w) for w in _leaves(default.draft.params)}  # k, v have 16 outputs: never panels
+  if cpu_kernels.int4_available():  # 16-output k, v: their 4-bit values widened (`to_int4_blocks`)
+    assert weights.Int4Panels in kinds and kinds <= {weights.Int4Panels, weights.Dense}, kinds
+  else:
+    assert kinds & set(INT8) and kinds <= set(INT8), kinds
+  assert default.draft.backend.dtype == "float32"
+  int8 = tiny.packable_pair(3, draft_int4=False)
+  named = tiny.packable_pair(3, draft_int8=True)  # the int8 draft asked for by name
   kind = weights.Int8Panels if cpu_kernels.int8_available() else weights.Int8
-  kinds = {type(w) for w in _leaves(int8.draft.params)}  # k, v have 16 outputs: never panels
-  assert kind in kinds and kinds <= {weights.Int8, weights.Int8Panels}
-  assert int8.draft.backend.dtype == "float32"
-  assert not any(isinstance(w, (weights.Int8, weights.Int8Panels))
-                 for w in _leaves(int8.target.params))
+  for bundle in (int8, named):
+    kinds = {type(w) for w in _leaves(bundle.draft.params)}
+    assert kind in kinds and kinds <= set(INT8), kinds
+  for bundle in (default, int8):
+    assert not any(isinstance(w, INT8 + (weights.Int4Panels,)) for w in _leaves(bundle.target.params))
   floats = tiny.packable_pair(3, draft_int8=False)
-  assert not any(isinstance(w, (weights.Int8, weights.Int8Panels))
-                 for w in _leaves(floats.draft.params))
+  assert not any(isinstance(w, INT8 + (weights.Int4Panels,)) for w in _leaves(floats.draft.params))
   prompt = _tokens(3, (9,), tiny.PACKABLE_VOCAB).tolist()
   base = jspec.generate(int8, prompt, max_new_tokens=20, method="target")
-  for bundle in (int8, floats):  # q is the draft's own distribution: exact either way
+  for bundle in (default, int8, floats):  # q is the draft's own distribution: exact either way
     out = jspec.generate(bundle, prompt, max_new_tokens=20, gamma=3, policy="fixed")
     assert out.token_ids == base.token_ids
 
