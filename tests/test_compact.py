@@ -9,7 +9,6 @@ target is still exactly the (compact) target's distribution.
 
 from __future__ import annotations
 
-import dataclasses
 
 import chex
 import jax

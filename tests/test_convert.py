@@ -4,7 +4,6 @@ import json
 import os
 
 import gguf
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -24,7 +24,6 @@ import test_lossless
 import tiny
 from jspec import bundle as bundle_lib
 from jspec import cache as cache_lib
-from jspec import decode
 from jspec import draft_vocab
 from jspec import drafters
 from jspec import model

@@ -15,7 +15,6 @@ import pytest
 
 import jspec
 import tiny
-from jspec import api
 from jspec import cache as cache_lib
 from jspec import decode
 from jspec import drafters

@@ -12,7 +12,6 @@ import pytest
 
 import jspec
 import tiny
-from convert import config as config_lib
 from jspec import bundle as bundle_lib
 from jspec import cache as cache_lib
 from jspec import cpu_kernels
