@@ -398,7 +398,10 @@ def _cpu_kernels() -> dict[str, Any]:
   """Which of jspec's CPU kernels this host runs (on a CPU backend), and why not if not."""
   built = cpu_kernels.available()
   return {"built": built, "reason": cpu_kernels.unavailable_reason(),
-          "int8": cpu_kernels.int8_kind()}
+          "int8": cpu_kernels.int8_kind(),
+          # What a default draft is stored as here (`jspec.Settings.draft_int4`).
+          "draft": ("4-bit" if bundle_lib.draft_int4(bundle_lib.Settings(), kernels=built)
+                    else "int8")}
 
 
 def _info(args) -> int:
@@ -419,8 +422,9 @@ def _info(args) -> int:
     return 0
   print(f"jax {jax.__version__}, backend {jax.default_backend()}: {', '.join(devices)}")
   if kernels and kernels["built"]:
-    print(f"cpu kernels: built (int8: {kernels['int8'] or 'XLA'}): matrix products, the layer "
-          "loop, decode attention and the greedy head run on them")
+    print(f"cpu kernels: built (int8: {kernels['int8'] or 'XLA'}; default draft: "
+          f"{kernels['draft']}): matrix products, the layer loop, decode attention and the "
+          "greedy head run on them")
   elif kernels:
     print(f"cpu kernels: not built ({kernels['reason']}); XLA's dot and attention instead")
   moved = os.environ.get("JSPEC_CACHE")

@@ -386,7 +386,9 @@ def test_info_says_which_cpu_kernels_run(capsys, monkeypatch):
   if not cpu_kernels.available():
     pytest.skip(f"kernels unavailable: {cpu_kernels.unavailable_reason()}")
   code, out, _ = _run(capsys, ["info"])
-  assert code == 0 and re.search(r"cpu kernels: built \(int8: \w+\)", out)
+  assert code == 0 and re.search(r"cpu kernels: built \(int8: \w+; default draft: [\w-]+\)", out)
+  draft = "4-bit" if cpu_kernels.int4_available() else "int8"
+  assert f"default draft: {draft})" in out
   monkeypatch.setattr(cpu_kernels, "available", lambda: False)
   monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: "no compiler (test)")
   code, out, _ = _run(capsys, ["info"])
