@@ -34,6 +34,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_ffi.h"
 #include "cpu_threads.h"
 
 namespace ffi = xla::ffi;
@@ -48,7 +49,7 @@ constexpr int64_t kBlockBytes = kQBytes + 2 * 2 * kPanel;  // q, then s and o as
 using SignedBytes = ffi::Buffer<ffi::S8, 2>;  // aliases: the handler macro splits on commas
 using Int4Panels = ffi::Buffer<ffi::U8, 3>;
 using Matrix = ffi::Buffer<ffi::F32, 2>;
-using LayerIndex = ffi::Buffer<ffi::S32, 0>;
+using jspec_cpu::LayerIndex;
 
 // One matrix of a call: its panels, and the first column of y it writes.
 struct Part {
@@ -61,12 +62,7 @@ struct Part {
 constexpr bool kHaveInt4 = true;
 constexpr int kRows = 4;  // rows per tile: 4 registers each (2 int32 sums, 2 float outputs)
 
-// acc += dot4(u8 lanes of a, s8 lanes of b), in place (as jspec_gemm_i8's:
-// GCC copies the accumulator of the intrinsic).
-inline __m512i Dpbusd(__m512i acc, __m512i a, __m512i b) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-  return acc;
-}
+using jspec_cpu::Dpbusd;  // acc += dot4(u8 lanes of a, s8 lanes of b), in place
 
 // y[m, 0:32] = the formula above over one panel, for rows m in [0, MR);
 // xs[m * blocks + j] is row m's sum of xq over block j.
@@ -197,14 +193,8 @@ ffi::Error GemmI4(ffi::ThreadPool pool, SignedBytes x, Int4Panels w, ffi::Result
 
 ffi::Error GemmI4Layer(ffi::ThreadPool pool, SignedBytes x, LayerIndex layer,
                        ffi::RemainingArgs weights, ffi::Result<Matrix> y) {
-  const int64_t i = *layer.typed_data();
-  if (i < 0 || i >= static_cast<int64_t>(weights.size())) {
-    return ffi::Error::InvalidArgument("jspec_gemm_i4_layer: layer " + std::to_string(i) +
-                                       " outside [0, " + std::to_string(weights.size()) + ")");
-  }
-  auto w = weights.get<Int4Panels>(i);
-  if (!w.has_value()) return w.error();
-  return GemmI4(pool, x, *w, y);
+  return jspec_cpu::WithLayer<Int4Panels>("jspec_gemm_i4_layer", layer, weights,
+                                          [&](Int4Panels w) { return GemmI4(pool, x, w, y); });
 }
 
 // Part j's buffers of every layer, part after part; `layer` picks each
@@ -215,19 +205,14 @@ ffi::Error GemmI4Many(ffi::ThreadPool pool, SignedBytes x, LayerIndex layer,
                       int64_t layers) {
   const std::string name = "jspec_gemm_i4_many";
   const int64_t i = *layer.typed_data();
-  if (count < 1 || layers < 1 || static_cast<int64_t>(weights.size()) != count * layers || i < 0 ||
-      i >= layers) {
-    return ffi::Error::InvalidArgument(
-        name + ": expected " + std::to_string(count) + " parts of " + std::to_string(layers) +
-        " layers and a layer in [0, " + std::to_string(layers) + "), got " +
-        std::to_string(weights.size()) + " buffers and layer " + std::to_string(i));
-  }
+  ffi::Error err = jspec_cpu::CheckParts(name, count, layers, weights.size(), i);
+  if (err.failure()) return err;
   std::vector<Part> parts;
   int64_t col = 0;
   for (int64_t j = 0; j < count; ++j) {
     auto w = weights.get<Int4Panels>(j * layers + i);
     if (!w.has_value()) return w.error();
-    ffi::Error err = AddPart(name, x, *w, parts, col);
+    err = AddPart(name, x, *w, parts, col);
     if (err.failure()) return err;
   }
   return RunParts(name, pool, x, parts, col, y);

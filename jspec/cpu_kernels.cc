@@ -53,13 +53,17 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_ffi.h"
 #include "cpu_threads.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using jspec_cpu::CheckParts;
 using jspec_cpu::ForEachPanel;
+using jspec_cpu::LayerIndex;
+using jspec_cpu::WithLayer;
 
 constexpr int64_t kPanel = 32;  // output columns per panel
 // Rows per register tile: each row holds 32 accumulators, two AVX-512
@@ -247,14 +251,7 @@ constexpr auto kWideTiles = MakeWideTiles(std::make_integer_sequence<int, kMaxSt
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 constexpr bool kHaveInt8 = true;
 
-// acc += dot4(u8 lanes of a, s8 lanes of b), in place. Written as asm
-// because GCC 12 copies the accumulator on every `_mm512_dpbusd_epi32`
-// (the intrinsic reads as a fresh result), and with 24 accumulators those
-// copies spilled to the stack on every step of K (seen in the assembly).
-inline __m512i Dpbusd(__m512i acc, __m512i a, __m512i b) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-  return acc;
-}
+using jspec_cpu::Dpbusd;  // acc += dot4(u8 lanes of a, s8 lanes of b), in place
 
 template <int MR>
 void TileI8(const uint8_t* x, int64_t ldx, const int8_t* panel, int64_t groups, int32_t* y,
@@ -614,23 +611,8 @@ ffi::Error GemmS8(ffi::ThreadPool pool, SignedBytes x, Int8Panels w,
 #endif
 }
 
-// The layer variants: the same products, with the weights picked from one
-// buffer per layer by a layer index. A `lax.scan` over layers then calls the
-// kernel on weights stored per layer, each read where it lies: slicing a
-// stacked weight would copy it first (docs/decisions.md).
-using LayerIndex = ffi::Buffer<ffi::S32, 0>;
-
-template <typename W, typename Run>
-ffi::Error WithLayer(const char* name, LayerIndex& layer, ffi::RemainingArgs& weights, Run run) {
-  const int64_t i = *layer.typed_data();
-  if (i < 0 || i >= static_cast<int64_t>(weights.size())) {
-    return ffi::Error::InvalidArgument(std::string(name) + ": layer " + std::to_string(i) +
-                                       " outside [0, " + std::to_string(weights.size()) + ")");
-  }
-  auto w = weights.get<W>(i);
-  if (!w.has_value()) return w.error();
-  return run(*w);
-}
+// The layer variants (`WithLayer`, cpu_ffi.h): the weights picked from one
+// buffer per layer by a layer index.
 
 ffi::Error GemmF32Layer(ffi::ThreadPool pool, Matrix x, LayerIndex layer,
                         ffi::RemainingArgs weights, ffi::Result<Matrix> y) {
@@ -663,13 +645,8 @@ ffi::Error Int8Parts(const std::string& name, XBuffer& x, LayerIndex& layer,
                      ffi::RemainingArgs& weights, int64_t count, int64_t layers,
                      ffi::Result<Int32Matrix>& y, std::vector<I8Part>& parts) {
   const int64_t i = *layer.typed_data();
-  if (count < 1 || layers < 1 || static_cast<int64_t>(weights.size()) != count * layers || i < 0 ||
-      i >= layers) {
-    return ffi::Error::InvalidArgument(
-        name + ": expected " + std::to_string(count) + " parts of " + std::to_string(layers) +
-        " layers and a layer in [0, " + std::to_string(layers) + "), got " +
-        std::to_string(weights.size()) + " buffers and layer " + std::to_string(i));
-  }
+  ffi::Error err = CheckParts(name, count, layers, weights.size(), i);
+  if (err.failure()) return err;
   const auto xd = x.dimensions();
   const auto yd = y->dimensions();
   int64_t col = 0;

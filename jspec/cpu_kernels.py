@@ -73,10 +73,11 @@ TARGETS = (TARGET, TARGET_INT8, TARGET_S8, *LAYER_TARGETS.values(), TARGET_ATTEN
            TARGET_BLK_FORMS, TARGET_INT8_MANY, TARGET_S8_MANY, TARGET_INT4, TARGET_INT4_MANY)
 SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
 # The attention and 4-bit draft kernels, built into the same library; the sources include the
-# thread helpers of HEADERS.
+# thread and FFI helpers of HEADERS.
 OTHER_SOURCES = (pathlib.Path(__file__).with_name("cpu_attention.cc"),
                  pathlib.Path(__file__).with_name("cpu_int4.cc"))
-HEADERS = (pathlib.Path(__file__).with_name("cpu_threads.h"),)
+HEADERS = (pathlib.Path(__file__).with_name("cpu_threads.h"),
+           pathlib.Path(__file__).with_name("cpu_ffi.h"))
 _SYMBOLS = {TARGET: "JspecGemmF32", TARGET_INT8: "JspecGemmI8", TARGET_S8: "JspecGemmS8",
             LAYER_TARGETS[TARGET]: "JspecGemmF32Layer", LAYER_TARGETS[TARGET_INT8]: "JspecGemmI8Layer",
             LAYER_TARGETS[TARGET_S8]: "JspecGemmS8Layer", TARGET_ATTEND: "JspecAttendF32",
