@@ -503,14 +503,7 @@ def to_int4_blocks(w: Leaf) -> Leaf:
     where the outputs are not a multiple of 32, the same values widened
     into a `Dense` (a `Table` for a table).
   """
-  if isinstance(w, Dense):
-    rows = w.w.T
-  elif isinstance(w, Table):
-    rows = w.t
-  elif isinstance(w, (Panels, Blocks, BF16Panels)):
-    rows = matrix(w).T
-  else:
-    raise TypeError(f"cannot quantize a {type(w).__name__} weight")
+  rows = _float_rows(w)  # [O, I]
   i = rows.shape[1]
   size = INT8_BLOCK if i % INT8_BLOCK == 0 else i
   q, scale, offset = jax.block_until_ready(_quantize_int4(rows, size))
@@ -518,6 +511,17 @@ def to_int4_blocks(w: Leaf) -> Leaf:
   if isinstance(w, Table) and isinstance(out, Dense):
     return Table(out.w.T)  # a table the block kernel cannot hold: read by rows
   return out
+
+
+def _float_rows(w: Leaf) -> jax.Array:
+  """W.T of a float leaf (`Dense`, `Table`, or a packed form, widened): [O, I], for the 4-bit forms."""
+  if isinstance(w, Dense):
+    return w.w.T
+  if isinstance(w, Table):
+    return w.t
+  if isinstance(w, (Panels, Blocks, BF16Panels)):
+    return matrix(w).T
+  raise TypeError(f"cannot quantize a {type(w).__name__} weight")
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -551,14 +555,7 @@ def to_int4_panels(w: Leaf) -> Leaf:
   i, o = w.shape
   if i % cpu_kernels.INT4_BLOCK or o % PANEL:
     return to_int4_blocks(w)
-  if isinstance(w, Dense):
-    rows = w.w.T
-  elif isinstance(w, Table):
-    rows = w.t
-  elif isinstance(w, (Panels, Blocks, BF16Panels)):
-    rows = matrix(w).T
-  else:
-    raise TypeError(f"cannot quantize a {type(w).__name__} weight")
+  rows = _float_rows(w)  # [O, I]
   q, scale, offset = _quantize_int4_half(rows)
   return Int4Panels(jax.block_until_ready(cpu_kernels.pack_int4(q, scale, offset)))
 
