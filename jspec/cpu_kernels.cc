@@ -51,6 +51,10 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 #include "cpu_ffi.h"
@@ -1194,22 +1198,270 @@ void RunBlk(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart<Q>
   });
 }
 
+// The block product with AMX tiles, for calls whose rows need not equal a
+// one-row call's bit for bit (`any_order`: a prefill chunk; every mode
+// prefills alike). Why: a prefill chunk multiplies 16 rows by every weight,
+// and on two cores that is bound by the FMAs; AMX's tile products are not
+// (docs/decisions-compact.md, "AMX for prefill chunks").
+//
+// Each x is split into three bfloat16 pieces whose sum is x exactly (the
+// top 8 bits of its significand, the next 8, the last 8), each q widened to
+// a bfloat16 exactly (int8 through float32; nibbles by a 16-entry table),
+// and `tdpbf16ps` sums the exact products in float32: per block, per row,
+// the float32 dot product up to the order of its sums (and denormal pieces,
+// which AMX flushes), then the block's scale and offset as BlkTile applies
+// them. A row's sums do not depend on the other rows of its tile.
+// -DJSPEC_NO_AMX leaves the tiles out, for A/B builds only.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && \
+    !defined(JSPEC_NO_AMX)
+#define JSPEC_AMX 1
+constexpr bool kHaveAmx = true;
+
+constexpr int64_t kAmxRows = 16;  // rows of an A tile and of the accumulators
+
+// Whether this process may use the tiles: Linux hands out AMX's state per
+// process on request (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA).
+bool AmxReady() {
+  static const bool ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ready;
+}
+
+// palette 1: tiles 0-3 accumulate 16 rows x 16 columns each, 4-6 hold the
+// rows' three pieces of a block (B bfloat16 a row), 7 one B tile (B/2 rows
+// of 16 column pairs).
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+template <int B>
+void AmxConfigure() {
+  AmxConfig cfg;
+  for (int t = 0; t < 4; ++t) { cfg.rows[t] = kAmxRows; cfg.colsb[t] = 64; }
+  for (int t = 4; t < 7; ++t) { cfg.rows[t] = kAmxRows; cfg.colsb[t] = 2 * B; }
+  cfg.rows[7] = B / 2;
+  cfg.colsb[7] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// The B tile of 16 columns of one panel over block j's B k: row r holds,
+// per column, the bfloat16s of q[2r] and q[2r + 1] (the pair tdpbf16ps
+// takes). `pair` points at the block's first pair row of the panel, at the
+// tile's first column.
+template <int B>
+inline void AmxWiden(const uint8_t* pair, uint32_t* bt) {
+  // bfloat16 of 0..15 as 16-bit words; vpermw reads a word's low 5 bits.
+  alignas(64) static const uint16_t kTable[32] = {
+      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+  const __m512i table = _mm512_load_si512(kTable);
+  const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
+  for (int r = 0; r < B / 2; ++r) {
+    // byte = q[2r] | q[2r + 1] << 4 -> dword with q[2r] low, q[2r + 1] at bit 16
+    const __m512i d = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + r * kPanel)));
+    const __m512i idx = _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 12), nibbles, 0xA8);
+    _mm512_store_si512(bt + r * 16, _mm512_permutexvar_epi16(idx, table));
+  }
+}
+template <int B>
+inline void AmxWiden(const int8_t* pair, uint32_t* bt) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int r = 0; r < B / 2; ++r) {
+    const int8_t* row = pair + r * 2 * kPanel;  // k rows 2r, 2r + 1
+    const __m512i a = _mm512_castps_si512(_mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)))));
+    const __m512i b = _mm512_castps_si512(_mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + kPanel)))));
+    // low word: a's top half; high word: b's top half (an int8 is exact in bfloat16)
+    _mm512_store_si512(bt + r * 16,
+                       _mm512_ternarylogic_epi32(_mm512_srli_epi32(a, 16), b, high, 0xD8));
+  }
+}
+
+// Tile products of block j for G groups of 16 columns into accumulators
+// 0..G-1 (zeroed first), from the pieces' A tiles at a (three arrays, lda
+// bytes a row) and the widened B tiles bt[g].
+template <int G>
+inline void AmxBlock(const uint16_t* a0, const uint16_t* a1, const uint16_t* a2, int64_t lda,
+                     const uint32_t (*bt)[16 * 16]) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (G > 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  _tile_loadd(4, a0, lda);
+  _tile_loadd(5, a1, lda);
+  _tile_loadd(6, a2, lda);
+#define JSPEC_AMX_GROUP(T)   \
+  _tile_loadd(7, bt[T], 64); \
+  _tile_dpbf16ps(T, 4, 7);   \
+  _tile_dpbf16ps(T, 5, 7);   \
+  _tile_dpbf16ps(T, 6, 7);
+  JSPEC_AMX_GROUP(0)
+  JSPEC_AMX_GROUP(1)
+  if constexpr (G > 2) {
+    JSPEC_AMX_GROUP(2)
+    JSPEC_AMX_GROUP(3)
+  }
+#undef JSPEC_AMX_GROUP
+}
+
+template <int G>
+inline void AmxStore(float (*ct)[kAmxRows * 16]) {
+  _tile_stored(0, ct[0], 64);
+  _tile_stored(1, ct[1], 64);
+  if constexpr (G > 2) {
+    _tile_stored(2, ct[2], 64);
+    _tile_stored(3, ct[3], 64);
+  }
+}
+
+// `RunBlk`'s product with tiles: the same parts, shapes and output. Per set
+// of two panels (four groups of 16 columns) and block, the widening of the
+// next block's B tiles runs while the tile unit multiplies this one's; then
+// the accumulators are stored and each row's scale and offset terms added
+// into y with FMAs.
+template <typename Q, int B, bool OFF, typename S>
+void RunBlkAmx(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart<Q>>& parts,
+               int64_t m_size, int64_t k_size, int64_t n_size, float* yp) {
+  const int64_t blocks = k_size / B;
+  const int64_t q_stride = k_size / 2 * kPairBytes<Q>, so_stride = ScaleStride<B, S>(k_size);
+  const int64_t tiles_m = (m_size + kAmxRows - 1) / kAmxRows, m_pad = tiles_m * kAmxRows;
+  // x as three bfloat16 pieces, each A tile's 16 rows x B contiguous:
+  // [m_pad / 16, K/B, 3, 16, B] (rows past m_size zero). Rows K apart
+  // instead would put a tile's 16 lines in 4 of L1's 64 sets. And the
+  // block sums xs [K/B, m_pad] for the offsets.
+  std::vector<uint16_t> pieces(3 * m_pad * k_size, 0);
+  std::vector<float> sums(m_pad * blocks, 0.0f);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t m = 0; m < m_size; ++m) {
+    const float* xm = xp + m * k_size;
+    uint16_t* tile = pieces.data() + (m / kAmxRows) * blocks * 3 * kAmxRows * B + (m % kAmxRows) * B;
+    for (int64_t k = 0; k < k_size; k += 16) {  // B is 16 or 32: 16 k lie in one block
+      __m512 rest = _mm512_loadu_ps(xm + k);
+      for (int i = 0; i < 3; ++i) {
+        const __m512i top = _mm512_and_si512(_mm512_castps_si512(rest), high);
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(tile + ((k / B) * 3 + i) * kAmxRows * B + k % B),
+            _mm512_cvtepi32_epi16(_mm512_srli_epi32(top, 16)));
+        rest = _mm512_sub_ps(rest, _mm512_castsi512_ps(top));  // exact: the bits below top's
+      }
+    }
+    for (int64_t j = 0; j < blocks; ++j) {
+      float total = 0.0f;
+      for (int kk = 0; kk < B; ++kk) total += xm[j * B + kk];
+      sums[j * m_pad + m] = total;
+    }
+  }
+  const uint16_t* xpc = pieces.data();
+  const float* xs = sums.data();
+  // Sets of two panels, a part's last odd panel alone.
+  std::vector<int64_t> first(parts.size() + 1, 0);
+  for (size_t j = 0; j < parts.size(); ++j) first[j + 1] = first[j] + (parts[j].panels + 1) / 2;
+  ForEachPanel(pool, first.back(), [=](int64_t set) {
+    const size_t part_j = std::upper_bound(first.begin(), first.end(), set) - first.begin() - 1;
+    const BlkPart<Q>& part = parts[part_j];
+    const int64_t p0 = (set - first[part_j]) * 2, np = std::min<int64_t>(2, part.panels - p0);
+    const S* s = static_cast<const S*>(part.s);
+    const S* o = OFF ? static_cast<const S*>(part.o) : nullptr;
+    alignas(64) uint32_t bt[2][4][16 * 16];  // this block's B tiles and the next's
+    alignas(64) float ct[2][4][kAmxRows * 16];  // this item's accumulators and the last's
+    auto widen = [&](int64_t j, uint32_t (*into)[16 * 16]) {
+      for (int64_t p = 0; p < np; ++p) {
+        const Q* pair = part.q + (p0 + p) * q_stride + j * (B / 2) * kPairBytes<Q>;
+        __builtin_prefetch(pair + 8 * (B / 2) * kPairBytes<Q>, 0, 3);
+        AmxWiden<B>(pair, into[2 * p]);
+        AmxWiden<B>(pair + 16, into[2 * p + 1]);
+      }
+    };
+    // y += each row's scale and offset terms of item (block j, row tile t).
+    const int64_t ldy = n_size, groups = 2 * np, rows = m_size;
+    float* const y0 = yp + part.col + p0 * kPanel;
+    auto add = [=](int64_t j, int64_t t, const float (*acc)[kAmxRows * 16]) {
+      const int64_t m0 = t * kAmxRows, r = std::min(kAmxRows, rows - m0);
+      const float* xsj = xs + j * m_pad + m0;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t p = p0 + g / 2, c = (g % 2) * 16;
+        const Vec sv = BlockScale<B>(s + p * so_stride, j, c);
+        const Vec ov = OFF ? BlockScale<B>(o + p * so_stride, j, c) : Vec{};
+        float* y = y0 + m0 * ldy + g * 16;
+        const float* a = acc[g];
+        if (j == 0) {
+          for (int64_t m = 0; m < r; ++m) {
+            Vec sum = sv * Load(a + m * 16);
+            if (OFF) sum += ov * xsj[m];
+            std::memcpy(y + m * ldy, &sum, sizeof(Vec));
+          }
+        } else {
+#pragma GCC unroll 16
+          for (int64_t m = 0; m < r; ++m) {
+            Vec sum = Load(y + m * ldy) + sv * Load(a + m * 16);
+            if (OFF) sum += ov * xsj[m];
+            std::memcpy(y + m * ldy, &sum, sizeof(Vec));
+          }
+        }
+      }
+    };
+    AmxConfigure<B>();
+    widen(0, bt[0]);
+    // Items (j, t) in order; each one's terms are added while the next multiplies.
+    const int64_t items = blocks * tiles_m;
+    for (int64_t i = 0; i < items; ++i) {
+      const int64_t j = i / tiles_m, t = i % tiles_m;
+      const uint16_t* a = xpc + (t * blocks + j) * 3 * kAmxRows * B;
+      constexpr int64_t piece = kAmxRows * B;
+      if (np == 2) {
+        AmxBlock<4>(a, a + piece, a + 2 * piece, 2 * B, bt[j % 2]);
+        AmxStore<4>(ct[i % 2]);
+      } else {
+        AmxBlock<2>(a, a + piece, a + 2 * piece, 2 * B, bt[j % 2]);
+        AmxStore<2>(ct[i % 2]);
+      }
+      if (t == 0 && j + 1 < blocks) widen(j + 1, bt[(j + 1) % 2]);
+      if (i > 0) add((i - 1) / tiles_m, (i - 1) % tiles_m, ct[(i - 1) % 2]);
+    }
+    add((items - 1) / tiles_m, (items - 1) % tiles_m, ct[(items - 1) % 2]);
+    _tile_release();
+  });
+}
+#else
+constexpr bool kHaveAmx = false;
+bool AmxReady() { return false; }
+#endif
+
+// Rows from which an any-order call takes the tiles: below it one tile's
+// products cost more than BlkTile's FMAs (docs/decisions-compact.md).
+constexpr int64_t kAmxMinRows = 8;
+
 // RunBlk for a block size, offsets and scale form known only at run time.
+// With any_order, from kAmxMinRows rows on, where the process may use AMX,
+// the tiles' product (`RunBlkAmx`).
 template <typename Q, typename S>
 void RunBlkScales(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart<Q>>& parts,
-                  int64_t m_size, int64_t k_size, int64_t b, bool offsets, float* yp) {
+                  int64_t m_size, int64_t k_size, int64_t b, bool offsets, bool any_order,
+                  float* yp) {
   const int64_t n_size = parts.back().col + parts.back().panels * kPanel;
   auto run = offsets ? (b == 16 ? RunBlk<Q, 16, true, S> : RunBlk<Q, 32, true, S>)
                      : (b == 16 ? RunBlk<Q, 16, false, S> : RunBlk<Q, 32, false, S>);
+#if defined(JSPEC_AMX)
+  if (any_order && m_size >= kAmxMinRows && AmxReady()) {
+    run = offsets ? (b == 16 ? RunBlkAmx<Q, 16, true, S> : RunBlkAmx<Q, 32, true, S>)
+                  : (b == 16 ? RunBlkAmx<Q, 16, false, S> : RunBlkAmx<Q, 32, false, S>);
+  }
+#endif
   run(pool, xp, parts, m_size, k_size, n_size, yp);
 }
 
 template <typename Q>
 void RunBlkParts(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart<Q>>& parts,
                  int64_t m_size, int64_t k_size, int64_t b, bool offsets, bool factored,
-                 float* yp) {
+                 float* yp, bool any_order = false) {
   (factored ? RunBlkScales<Q, int8_t> : RunBlkScales<Q, float>)(pool, xp, parts, m_size, k_size, b,
-                                                                 offsets, yp);
+                                                                 offsets, any_order, yp);
 }
 
 // The form of a block matrix's scale (or offset) panels for P panels of K
@@ -1356,7 +1608,7 @@ template <typename QPanels>
 ffi::Error GemmBlkManyAny(ffi::ThreadPool& pool, Matrix& x, int64_t i,
                           ffi::RemainingArgs& weights, int64_t base, int64_t count,
                           int64_t layers, bool offsets, ffi::Result<Matrix>& y,
-                          const std::string& name = "jspec_gemm_blk_many") {
+                          bool any_order, const std::string& name = "jspec_gemm_blk_many") {
   constexpr bool kNibbles = std::is_same<QPanels, U4Panels>::value;
   using Q = std::conditional_t<kNibbles, uint8_t, int8_t>;
   const int64_t per = offsets ? 3 : 2;
@@ -1409,21 +1661,26 @@ ffi::Error GemmBlkManyAny(ffi::ThreadPool& pool, Matrix& x, int64_t i,
     return ffi::Error::InvalidArgument(name + ": expected y [M, " + std::to_string(col) +
                                        "], the parts' columns side by side");
   }
-  RunBlkParts(pool, x.typed_data(), parts, xd[0], xd[1], b, offsets, factored, y->typed_data());
+  RunBlkParts(pool, x.typed_data(), parts, xd[0], xd[1], b, offsets, factored, y->typed_data(),
+              any_order);
   return ffi::Error::Success();
 }
 
+// any_order (both calls): the rows need not equal a one-row call's bit for
+// bit, so from kAmxMinRows rows on AMX hosts take the tiles (`RunBlkAmx`).
 ffi::Error GemmBlkMany(ffi::ThreadPool pool, Matrix x, LayerIndex layer, ffi::RemainingArgs weights,
                        ffi::Result<Matrix> y, int64_t parts, int64_t layers, bool nibbles,
-                       bool offsets) {
+                       bool offsets, bool any_order) {
   const int64_t i = *layer.typed_data();
   if (static_cast<int64_t>(weights.size()) != parts * (offsets ? 3 : 2) * layers) {
     return ffi::Error::InvalidArgument("jspec_gemm_blk_many: " + std::to_string(weights.size()) +
                                        " buffers for " + std::to_string(parts) + " parts of " +
                                        std::to_string(layers) + " layers");
   }
-  return nibbles ? GemmBlkManyAny<U4Panels>(pool, x, i, weights, 0, parts, layers, offsets, y)
-                 : GemmBlkManyAny<S8Panels>(pool, x, i, weights, 0, parts, layers, offsets, y);
+  return nibbles ? GemmBlkManyAny<U4Panels>(pool, x, i, weights, 0, parts, layers, offsets, y,
+                                            any_order)
+                 : GemmBlkManyAny<S8Panels>(pool, x, i, weights, 0, parts, layers, offsets, y,
+                                            any_order);
 }
 
 // jspec_gemm_blk_forms: one matrix of the layer loop whose layers are held
@@ -1442,7 +1699,7 @@ ffi::Error GemmBlkMany(ffi::ThreadPool pool, Matrix x, LayerIndex layer, ffi::Re
 ffi::Error GemmBlkForms(ffi::ThreadPool pool, Matrix x, LayerIndex form, LayerIndex local,
                         ffi::RemainingArgs weights, ffi::Result<Matrix> y,
                         ffi::Span<const int64_t> layers, ffi::Span<const int64_t> nibbles,
-                        ffi::Span<const int64_t> offsets) {
+                        ffi::Span<const int64_t> offsets, bool any_order) {
   const std::string name = "jspec_gemm_blk_forms";
   const int64_t g = *form.typed_data(), groups = static_cast<int64_t>(layers.size());
   int64_t total = 0, base = 0;
@@ -1460,12 +1717,16 @@ ffi::Error GemmBlkForms(ffi::ThreadPool pool, Matrix x, LayerIndex form, LayerIn
   }
   const int64_t i = *local.typed_data();
   return nibbles[g] ? GemmBlkManyAny<U4Panels>(pool, x, i, weights, base, 1, layers[g],
-                                               offsets[g] != 0, y, name)
+                                               offsets[g] != 0, y, any_order, name)
                     : GemmBlkManyAny<S8Panels>(pool, x, i, weights, base, 1, layers[g],
-                                               offsets[g] != 0, y, name);
+                                               offsets[g] != 0, y, any_order, name);
 }
 
 }  // namespace
+
+// 1 when any-order block products take AMX tiles here (the build has AMX
+// and the system lets this process use it), else 0.
+extern "C" int JspecHaveAmx() { return kHaveAmx && AmxReady() ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlkMany, GemmBlkMany,
                               ffi::Ffi::Bind()
@@ -1477,7 +1738,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlkMany, GemmBlkMany,
                                   .Attr<int64_t>("parts")
                                   .Attr<int64_t>("layers")
                                   .Attr<bool>("nibbles")
-                                  .Attr<bool>("offsets"));
+                                  .Attr<bool>("offsets")
+                                  .Attr<bool>("any_order"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlkForms, GemmBlkForms,
                               ffi::Ffi::Bind()
@@ -1489,7 +1751,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlkForms, GemmBlkForms,
                                   .Ret<Matrix>()
                                   .Attr<ffi::Span<const int64_t>>("layers")
                                   .Attr<ffi::Span<const int64_t>>("nibbles")
-                                  .Attr<ffi::Span<const int64_t>>("offsets"));
+                                  .Attr<ffi::Span<const int64_t>>("offsets")
+                                  .Attr<bool>("any_order"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlk, GemmBlk,
                               ffi::Ffi::Bind()

@@ -27,6 +27,8 @@ einsum. The int8 kernel needs AVX-512 VNNI or, a slower variant, AVX2
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import hashlib
@@ -260,6 +262,40 @@ def available() -> bool:
   return _load() is None
 
 
+_ANY_ORDER = contextvars.ContextVar("jspec_any_order", default=False)
+
+
+@contextlib.contextmanager
+def any_order():
+  """Block products traced inside may sum each row in an order that depends on the row count.
+
+  Everywhere else a row's product is bit for bit the same whichever rows
+  share the call, so a verify row equals the target-only step's. A prefill
+  chunk needs no such equality (every mode prefills alike), and from a few
+  rows on an AMX host its products take the tiles (`amx_available`),
+  which multiply faster than the FMAs (docs/decisions-compact.md, "AMX
+  for prefill chunks"). It acts at trace time, like `jax.named_scope`.
+
+  Yields:
+    None.
+  """
+  token = _ANY_ORDER.set(True)
+  try:
+    yield
+  finally:
+    _ANY_ORDER.reset(token)
+
+
+def amx_available() -> bool:
+  """Whether block products under `any_order` take AMX tiles here.
+
+  Returns:
+    True where the kernels are built with AMX (the host has AMX-BF16) and
+    the system lets this process use the tiles.
+  """
+  return available() and bool(_LIBRARY.JspecHaveAmx())
+
+
 def int8_kind() -> Optional[str]:
   """Which int8 kernel `matmul_int8` runs on this host's CPU, if any.
 
@@ -405,7 +441,7 @@ def matmul_blocks_forms(x: jax.Array, groups, form: jax.Array, local: jax.Array)
         rows, form.astype(jnp.int32), local.astype(jnp.int32), *buffers,
         layers=np.asarray([len(group[0].weights) for group in groups], np.int64),
         nibbles=np.asarray([f[2] for f in forms], np.int64),
-        offsets=np.asarray([f[3] for f in forms], np.int64))
+        offsets=np.asarray([f[3] for f in forms], np.int64), any_order=_ANY_ORDER.get())
   else:
     y = jax.lax.switch(form, [lambda group=group: matmul_blocks(rows, *group) for group in groups])
   return y.reshape(*lead, n)
@@ -1073,6 +1109,8 @@ def matmul_blocks(x: jax.Array, qpanels, spanels, opanels=None) -> jax.Array:
   whole = is_factored(spanels) or k % spanels.shape[1] == 0  # blocks of B cover K
   if (x.dtype == jnp.float32 and whole and block_size(k, spanels) in BLOCK_SIZES and available()
       and jax.default_backend() == "cpu"):
+    if _ANY_ORDER.get():  # the one call that carries it
+      return matmul_blocks_many(x, [(qpanels, spanels, opanels)])[0]
     if is_nibbles(qpanels):
       target = TARGET_BLK4 if opanels is not None else TARGET_BLK4_SYM
     else:
@@ -1126,7 +1164,8 @@ def matmul_blocks_many(x: jax.Array, parts) -> list[jax.Array]:
   parts = [tuple(part) + (None,) * (3 - len(part)) for part in parts]
   forms = {blocks_form(*part) for part in parts}
   lead, k = x.shape[:-1], x.shape[-1]
-  if not (len(parts) > 1 and len(forms) == 1 and x.dtype == jnp.float32 and available()
+  # One part goes through here only under `any_order`, which this call carries.
+  if not ((len(parts) > 1 or _ANY_ORDER.get()) and len(forms) == 1 and x.dtype == jnp.float32 and available()
           and jax.default_backend() == "cpu"):
     return [matmul_blocks(x, *part) for part in parts]
   k_form, b, nibbles, offsets, layers, _ = forms.pop()
@@ -1147,7 +1186,7 @@ def matmul_blocks_many(x: jax.Array, parts) -> list[jax.Array]:
   out_type = jax.ShapeDtypeStruct((rows.shape[0], sum(widths)), jnp.float32)
   y = jax.ffi.ffi_call(TARGET_BLK_MANY, out_type)(
       rows, index, *buffers, parts=len(parts), layers=max(layers, 1), nibbles=nibbles,
-      offsets=offsets)
+      offsets=offsets, any_order=_ANY_ORDER.get())
   starts = [sum(widths[:j]) for j in range(len(parts))]
   return [y[:, s:s + n].reshape(*lead, n) for s, n in zip(starts, widths)]
 

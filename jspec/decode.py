@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import cache as cache_lib
+from jspec import cpu_kernels
 from jspec import drafters
 from jspec import model
 from jspec import sampling
@@ -458,6 +459,15 @@ def encode(forward, cache: cache_lib.KVCache, prompt: jax.Array, prompt_len: jax
     (logits [B, V] float32 at each row's last prompt token, the cache
     holding each row's prompt).
   """
+  # No row here must equal a one-row step's bit for bit (every mode prefills
+  # alike), so the block products may take AMX tiles.
+  with cpu_kernels.any_order():
+    return _encode(forward, cache, prompt, prompt_len, chunk, per_row)
+
+
+def _encode(forward, cache: cache_lib.KVCache, prompt: jax.Array, prompt_len: jax.Array,
+            chunk: int, per_row: bool):
+  """`encode` (same args and returns)."""
   if per_row and prompt.shape[0] > 1:
     return _encode_rows(forward, cache, prompt, prompt_len, chunk)
   b, p_width = prompt.shape

@@ -1,0 +1,192 @@
+"""The block kernel's AMX path (`cpu_kernels.any_order`): a prefill chunk's products with tiles.
+
+Under `any_order`, from 8 rows on, a host with AMX-BF16 multiplies block
+matrices with `tdpbf16ps`: each x split into three bfloat16 pieces whose
+sum is x exactly, each q widened to a bfloat16 exactly. The checks:
+
+- against float64 within the float32 rounding bound of its sums: per block
+  3B products summed in float32, then the block terms added over K/B
+  blocks (`_tolerance`);
+- exact where no sum rounds, with x chosen so that every x needs all three
+  pieces: a piece left out, a nibble read from the wrong half or a pair of
+  k swapped changes the result;
+- a row's output does not depend on the other rows in the call (a
+  batch's prefill and a row's own prefill agree bit for bit);
+- factored and float scales give the same bits, as in the FMA path;
+- outside `any_order`, and under it below 8 rows, the ordinary kernel's
+  bits, so verify rows still equal the one-row step's.
+
+Skipped where the tiles do not run (`cpu_kernels.amx_available()`): there
+`any_order` changes nothing, which the last test checks everywhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec import cpu_kernels
+from jspec import weights
+
+U = 2.0 ** -24
+
+
+def _need_amx():
+  if not cpu_kernels.available():
+    pytest.skip(f"kernel unavailable: {cpu_kernels.unavailable_reason()}")
+  if not cpu_kernels.amx_available():
+    pytest.skip("no AMX tiles here (AMX-BF16, or the system's permission)")
+
+
+def _blocks(n, k, b, nibbles, offsets, seed):
+  rng = np.random.default_rng(seed)
+  q = rng.integers(0, 16, (n, k)) if nibbles else rng.integers(-128, 128, (n, k))
+  s = (rng.uniform(0.5, 2.0, (n, k // b)) * 1e-2).astype(np.float32)
+  o = (rng.standard_normal((n, k // b)) * 1e-2).astype(np.float32) if offsets else None
+  return q.astype(np.int8), s, o
+
+
+def _pack(q, s, o, nibbles, factored=False):
+  return cpu_kernels.pack_blocks(jnp.asarray(q), jnp.asarray(s),
+                                 None if o is None else jnp.asarray(o), nibbles, factored)
+
+
+def _run(x, packed, any_order):
+  def f(x):
+    if any_order:
+      with cpu_kernels.any_order():
+        return cpu_kernels.matmul_blocks(x, *packed)
+    return cpu_kernels.matmul_blocks(x, *packed)
+  return np.asarray(jax.jit(f)(jnp.asarray(x)))
+
+
+def _widened(q, s, o, b):  # [N, K] float64, exactly the stored model
+  w = np.repeat(s, b, axis=1).astype(np.float64) * q
+  return w + (np.repeat(o, b, axis=1) if o is not None else 0.0)
+
+
+def _tolerance(x, q, s, o, b):
+  """Per output: (3B + K/B + 4) U sum_k |x_k| (|s q_k| + |o|), the bound of the tiles' float32 sums."""
+  k = q.shape[1]
+  mag = np.abs(np.repeat(s, b, axis=1).astype(np.float64) * q)
+  if o is not None:
+    mag = mag + np.abs(np.repeat(o, b, axis=1))
+  return (3 * b + k // b + 4) * U * (np.abs(x).astype(np.float64) @ mag.T)
+
+
+def _same_bits(a, b) -> bool:
+  return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("m", [8, 16, 17, 40])
+@pytest.mark.parametrize("b", [16, 32])
+@pytest.mark.parametrize("nibbles", [False, True])
+@pytest.mark.parametrize("offsets", [False, True])
+def test_tiles_match_float64(m, b, nibbles, offsets):
+  # N = 224: seven panels, so the sets of two leave one alone.
+  _need_amx()
+  q, s, o = _blocks(224, 256, b, nibbles, offsets, seed=m + b)
+  x = np.random.default_rng(m).standard_normal((m, 256)).astype(np.float32)
+  got = _run(x, _pack(q, s, o, nibbles), any_order=True)
+  want = x.astype(np.float64) @ _widened(q, s, o, b).T
+  assert np.all(np.abs(got - want) <= _tolerance(x, q, s, o, b)), np.max(np.abs(got - want))
+
+
+@pytest.mark.parametrize("b", [16, 32])
+@pytest.mark.parametrize("nibbles", [False, True])
+def test_three_pieces_exactly(b, nibbles):
+  # x = a + c 2^-9 + e 2^-18 needs all three bfloat16 pieces (its bits span
+  # 19 places), and with q in {-1, 0, 1} (nibbles {0, 1}), scales 1 and one
+  # block per output no sum rounds: the tiles must give the float64 product.
+  _need_amx()
+  rng = np.random.default_rng(b + nibbles)
+  n, m = 64, 16
+  q = rng.integers(0 if nibbles else -1, 2, (n, b)).astype(np.int8)
+  s = np.ones((n, 1), np.float32)
+  x = (rng.integers(-2, 3, (m, b)) + rng.choice([-1, 1], (m, b)) * 2.0 ** -9
+       + rng.choice([-1, 1], (m, b)) * 2.0 ** -18).astype(np.float32)
+  got = _run(x, _pack(q, s, None, nibbles), any_order=True)
+  np.testing.assert_array_equal(got, x.astype(np.float64) @ q.T.astype(np.float64))
+
+
+@pytest.mark.parametrize("nibbles", [False, True])
+def test_a_row_is_the_same_whichever_rows_share_the_call(nibbles):
+  _need_amx()
+  q, s, o = _blocks(96, 512, 32, nibbles, True, seed=3)
+  packed = _pack(q, s, o, nibbles)
+  x = np.random.default_rng(4).standard_normal((40, 512)).astype(np.float32)
+  whole = _run(x, packed, any_order=True)
+  assert _same_bits(_run(x[:16], packed, any_order=True), whole[:16])
+  assert _same_bits(_run(x[16:24], packed, any_order=True), whole[16:24])
+  assert _same_bits(_run(x[5:37], packed, any_order=True), whole[5:37])
+
+
+@pytest.mark.parametrize("b", [16, 32])
+def test_factored_scales_give_the_float_scales_bits(b):
+  # Scales d * sc with a float16-like d per 256 and small integer sc (a
+  # k-quant's), offsets alike: factored, the tiles read the same floats.
+  _need_amx()
+  rng = np.random.default_rng(b)
+  n, k = 64, 512
+  d = rng.uniform(1e-3, 1e-2, (n, k // 256, 1)).astype(np.float16).astype(np.float32)
+  sc = rng.integers(1, 64, (n, k // 256, 256 // b)).astype(np.float32)
+  s = (d * sc).reshape(n, k // b)
+  o = -(d * rng.integers(0, 64, sc.shape).astype(np.float32)).reshape(n, k // b)
+  q = rng.integers(0, 16, (n, k)).astype(np.int8)
+  x = rng.standard_normal((16, k)).astype(np.float32)
+  factored = _pack(q, s, o, True, factored=True)
+  assert cpu_kernels.is_factored(factored[1])
+  assert _same_bits(_run(x, factored, any_order=True), _run(x, _pack(q, s, o, True), True))
+
+
+def test_layer_loop_and_shared_calls_take_the_tiles():
+  # matmul_blocks on LayerPicks, matmul_blocks_forms (layers of two forms)
+  # and matmul_blocks_many under any_order: each output within the bound.
+  _need_amx()
+  forms = [_blocks(96, 512, 32, True, True, seed=20), _blocks(96, 512, 16, False, False, seed=21),
+           _blocks(96, 512, 32, True, True, seed=22)]
+  leaves = [weights.blocks(q, s, o) for q, s, o in forms]
+  assert isinstance(weights.pick(leaves, jnp.int32(0)), weights.LayerForms)
+  x = np.random.default_rng(5).standard_normal((16, 512)).astype(np.float32)
+
+  @jax.jit
+  def loop(x):
+    with cpu_kernels.any_order():
+      def body(carry, index):
+        return carry, weights.dot(x, weights.pick(leaves, index))
+      return jax.lax.scan(body, 0, jnp.arange(3, dtype=jnp.int32))[1]
+
+  @jax.jit
+  def shared(x):
+    with cpu_kernels.any_order():
+      return weights.dot_many(x, [leaves[0], leaves[2]])
+
+  got = np.asarray(loop(jnp.asarray(x)))
+  gate, up = (np.asarray(y) for y in shared(jnp.asarray(x)))
+  b_of = [32, 16, 32]
+  for i, (q, s, o) in enumerate(forms):
+    want = x.astype(np.float64) @ _widened(q, s, o, b_of[i]).T
+    tol = _tolerance(x, q, s, o, b_of[i])
+    assert np.all(np.abs(got[i] - want) <= tol), i
+  for y, i in ((gate, 0), (up, 2)):
+    q, s, o = forms[i]
+    assert _same_bits(y, got[i]), i  # the same rows and panels: the same tiles
+
+
+@pytest.mark.parametrize("m", [1, 5, 7, 16])
+def test_outside_any_order_or_below_8_rows_the_ordinary_kernel(m):
+  # The step and the verify stay on the FMA tiles: a verify row equals the
+  # one-row step's bit for bit only there. On hosts without AMX, any_order
+  # changes nothing at any row count.
+  if not cpu_kernels.available():
+    pytest.skip(f"kernel unavailable: {cpu_kernels.unavailable_reason()}")
+  q, s, o = _blocks(96, 256, 32, True, True, seed=m)
+  packed = _pack(q, s, o, True)
+  x = np.random.default_rng(m).standard_normal((m, 256)).astype(np.float32)
+  plain = _run(x, packed, any_order=False)
+  rows = np.concatenate([_run(x[i:i + 1], packed, any_order=False) for i in range(m)])
+  assert _same_bits(plain, rows)
+  if m < 8 or not cpu_kernels.amx_available():
+    assert _same_bits(_run(x, packed, any_order=True), plain)
