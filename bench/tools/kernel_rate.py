@@ -1,7 +1,7 @@
 """Is the one-row block kernel bound by memory or by its own instructions? The same calls, read from memory and from cache.
 
     python -m bench.tools.kernel_rate [--dims 1536,8960] [--cached-outputs 4096] [--reps 15]
-        [--forms 4bit,int8,q4k,q4k_float] [--rows 1]
+        [--forms 4bit,int8,q4k,q4k_float] [--rows 1] [--any-order]
 
 A decode step multiplies one row by every weight once, so its kernels
 should read at the memory bandwidth. The exact target's 4-bit matrices
@@ -39,12 +39,15 @@ instructions do, and a faster memory would not help.
 --rows times calls of several rows too (a verify, a batch's step, a prefill
 chunk), under "FORM@M" for M rows (M = 1 keeps "FORM"); there
 "macs_per_ns" (rows x weights per ns) is the rate to hold against the
-host's multiply-add rate (`bench.tools.serve_bound`).
+host's multiply-add rate (`bench.tools.serve_bound`). --any-order times
+each chain a second time as a prefill's products ("FORM@M/any_order":
+`cpu_kernels.any_order`, AMX tiles from a few rows on where they run).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from typing import Optional, Sequence
@@ -53,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import cpu_kernels
 from jspec import weights
 
 
@@ -84,26 +88,30 @@ FORMS = {"4bit": weights.to_int4_blocks, "int8": weights.to_int8_blocks,
          "q4k": lambda w: _q4k(w, True), "q4k_float": lambda w: _q4k(w, False), "q6k": _q6k}
 
 
-def _chain(ws: list, reps_per_matrix: int, d: int):
-  """A jitted chain: x [M, D] through each matrix of ws in turn, reps_per_matrix times."""
+def _chain(ws: list, reps_per_matrix: int, d: int, any_order: bool = False):
+  """A jitted chain: x [M, D] through each matrix of ws in turn, reps_per_matrix times.
+
+  With any_order, traced under `cpu_kernels.any_order` (a prefill's products).
+  """
   def run(x, ws):
-    for w in ws:
-      for _ in range(reps_per_matrix):
-        y = weights.dot(x, w)  # [M, F]
-        x = x + 1e-3 * jnp.resize(y, x.shape)  # the next call depends on this one
+    with cpu_kernels.any_order() if any_order else contextlib.nullcontext():
+      for w in ws:
+        for _ in range(reps_per_matrix):
+          y = weights.dot(x, w)  # [M, F]
+          x = x + 1e-3 * jnp.resize(y, x.shape)  # the next call depends on this one
     return x
 
   return jax.jit(run)
 
 
-def _name(form: str, m: int) -> str:
-  """The results' key of FORM at M rows."""
-  return form if m == 1 else f"{form}@{m}"
+def _name(form: str, m: int, any_order: bool = False) -> str:
+  """The results' key of FORM at M rows (with "/any_order" for `cpu_kernels.any_order`)."""
+  return (form if m == 1 else f"{form}@{m}") + ("/any_order" if any_order else "")
 
 
 def measure(d: int, f: int, layers: int, cached_outputs: int, calls: int, reps: int,
             forms: Sequence[str] = tuple(FORMS), seed: int = 0,
-            rows: Sequence[int] = (1,)) -> dict:
+            rows: Sequence[int] = (1,), any_order: bool = False) -> dict:
   """Times stream and cached chains of each form at each row count, alternated.
 
   Args:
@@ -115,6 +123,8 @@ def measure(d: int, f: int, layers: int, cached_outputs: int, calls: int, reps: 
     forms: which of `FORMS`.
     seed: of the random weights.
     rows: rows of x per call (M).
+    any_order: also time each chain traced under `cpu_kernels.any_order`
+      (a prefill's products: AMX tiles where they run), as "NAME/any_order".
 
   Returns:
     {name: {"stream": {...}, "cached": {...}}} with name the form at one
@@ -129,10 +139,11 @@ def measure(d: int, f: int, layers: int, cached_outputs: int, calls: int, reps: 
     stream_ws = [FORMS[form](matrix(f)) for _ in range(layers)]
     cached_ws = [FORMS[form](matrix(cached_outputs))]
     for m in rows:
-      name = _name(form, m)
-      runs[(name, "stream")] = (_chain(stream_ws, 1, d), stream_ws, layers, d * f, m)
-      runs[(name, "cached")] = (_chain(cached_ws, calls, d), cached_ws, calls,
-                                d * cached_outputs, m)
+      for tiles in (False, True) if any_order else (False,):
+        name = _name(form, m, tiles)
+        runs[(name, "stream")] = (_chain(stream_ws, 1, d, tiles), stream_ws, layers, d * f, m)
+        runs[(name, "cached")] = (_chain(cached_ws, calls, d, tiles), cached_ws, calls,
+                                  d * cached_outputs, m)
   xs = {m: jnp.ones((m, d), jnp.float32) for m in rows}
   for fn, ws, _, _, m in runs.values():
     jax.block_until_ready(fn(xs[m], ws))
@@ -175,6 +186,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   ap.add_argument("--reps", type=int, default=15)
   ap.add_argument("--forms", default=",".join(FORMS), help=f"some of {','.join(FORMS)}")
   ap.add_argument("--rows", default="1", help="rows per call, comma-separated (default 1)")
+  ap.add_argument("--any-order", action="store_true",
+                  help="also time every chain as a prefill's products (cpu_kernels.any_order)")
   args = ap.parse_args(argv)
   forms = tuple(v for v in args.forms.split(",") if v)
   if not forms or any(v not in FORMS for v in forms):
@@ -195,7 +208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if any(v.startswith(("q4k", "q6k")) for v in forms) and d % 256:
     ap.error("the q4k and q6k forms need D a multiple of 256")
   print(json.dumps(measure(d, f, args.layers, args.cached_outputs, args.calls, args.reps,
-                           forms, rows=rows)))
+                           forms, rows=rows, any_order=args.any_order)))
   return 0
 
 
