@@ -1433,9 +1433,10 @@ constexpr bool kHaveAmx = false;
 bool AmxReady() { return false; }
 #endif
 
-// Rows from which an any-order call takes the tiles: below it one tile's
-// products cost more than BlkTile's FMAs (docs/decisions-compact.md).
-constexpr int64_t kAmxMinRows = 8;
+// Rows from which an any-order call takes the tiles: at 8 the tiles' Q4_K
+// product was no faster than BlkTile's and the Q6_K one slower; a prefill
+// chunk has 16 (docs/decisions-compact.md, "AMX for prefill chunks").
+constexpr int64_t kAmxMinRows = 16;
 
 // RunBlk for a block size, offsets and scale form known only at run time.
 // With any_order, from kAmxMinRows rows on, where the process may use AMX,

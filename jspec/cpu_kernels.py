@@ -271,7 +271,7 @@ def any_order():
 
   Everywhere else a row's product is bit for bit the same whichever rows
   share the call, so a verify row equals the target-only step's. A prefill
-  chunk needs no such equality (every mode prefills alike), and from a few
+  chunk needs no such equality (every mode prefills alike), and from 16
   rows on an AMX host its products take the tiles (`amx_available`),
   which multiply faster than the FMAs (docs/decisions-compact.md, "AMX
   for prefill chunks"). It acts at trace time, like `jax.named_scope`.
