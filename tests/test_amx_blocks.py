@@ -15,7 +15,10 @@ exactly. The checks:
   batch's prefill and a row's own prefill agree bit for bit);
 - factored and float scales give the same bits, as in the FMA path;
 - outside `any_order`, and under it below 16 rows, the ordinary kernel's
-  bits, so verify rows still equal the one-row step's.
+  bits, so verify rows still equal the one-row step's;
+- `decode.encode` traces its forwards under `any_order`, and a step does
+  not; a tiny block target's prefill on tiles gives its logits within
+  float32 rounding and the same argmax.
 
 Skipped where the tiles do not run (`cpu_kernels.amx_available()`): there
 `any_order` changes nothing, which the last test checks everywhere.
@@ -23,12 +26,18 @@ Skipped where the tiles do not run (`cpu_kernels.amx_available()`): there
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import test_compact
+from jspec import cache as cache_lib
 from jspec import cpu_kernels
+from jspec import decode
+from jspec import model
 from jspec import weights
 
 U = 2.0 ** -24
@@ -191,3 +200,46 @@ def test_outside_any_order_or_below_16_rows_the_ordinary_kernel(m):
   assert _same_bits(plain, rows)
   if m < 16 or not cpu_kernels.amx_available():
     assert _same_bits(_run(x, packed, any_order=True), plain)
+
+
+def _encode_program(target, prompt, prompt_len):
+  cfg = target.cfg
+
+  def run(params, prompt, prompt_len):
+    forward = lambda *a, **k: model.forward(target.arch, params, *a, **k)
+    return decode.encode(forward, cache_lib.init(cfg, prompt.shape[0], 64), prompt, prompt_len)[0]
+
+  return jax.jit(run), (target.params, prompt, prompt_len)
+
+
+def test_the_prefill_carries_any_order_and_the_step_does_not():
+  # decode.encode traces the model under any_order; a forward outside it
+  # (a step, a verify) does not. *Planted*: encode without it fails here.
+  if not cpu_kernels.available():
+    pytest.skip(f"kernel unavailable: {cpu_kernels.unavailable_reason()}")
+  target = test_compact._compact_pair(5).target
+  run, args = _encode_program(target, jnp.zeros((1, 32), jnp.int32), jnp.array([20], jnp.int32))
+  text = run.lower(*args).as_text()
+  assert "any_order = true" in text and "any_order = false" not in text
+  step = jax.jit(lambda params, tokens: model.forward(
+      target.arch, params, tokens, cache_lib.init(target.cfg, 1, 64))[0])
+  text = step.lower(target.params, jnp.zeros((1, 5), jnp.int32)).as_text()
+  assert "any_order = false" in text and "any_order = true" not in text
+
+
+def test_a_block_targets_prefill_on_tiles_is_the_same_model(monkeypatch):
+  # The tiny block target's prefill logits with the tiles and without
+  # (any_order made a no-op): float32 rounding apart, the same argmax.
+  _need_amx()
+  target = test_compact._compact_pair(7).target
+  prompt = jnp.asarray(np.random.default_rng(0).integers(0, target.cfg.vocab_size, (2, 48)),
+                       jnp.int32)
+  prompt_len = jnp.array([48, 23], jnp.int32)
+  run, args = _encode_program(target, prompt, prompt_len)
+  tiles = np.asarray(run(*args))
+  monkeypatch.setattr(cpu_kernels, "any_order", contextlib.nullcontext)
+  run, args = _encode_program(target, prompt, prompt_len)
+  plain = np.asarray(run(*args))
+  np.testing.assert_allclose(tiles, plain, rtol=1e-4, atol=1e-4)
+  assert not np.array_equal(tiles, plain)  # the tiles did run
+  assert np.array_equal(tiles.argmax(-1), plain.argmax(-1))
