@@ -1282,16 +1282,18 @@ inline void AmxWiden(const int8_t* pair, uint32_t* bt) {
 }
 
 // Tile products of block j for G groups of 16 columns into accumulators
-// 0..G-1 (zeroed first), from the pieces' A tiles at a (three arrays, lda
-// bytes a row) and the widened B tiles bt[g].
-template <int G>
+// 0..G-1 (zeroed first unless ZERO is false), from the pieces' A tiles at a
+// (three arrays, lda bytes a row) and the widened B tiles bt[g].
+template <int G, bool ZERO = true>
 inline void AmxBlock(const uint16_t* a0, const uint16_t* a1, const uint16_t* a2, int64_t lda,
                      const uint32_t (*bt)[16 * 16]) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if constexpr (G > 2) {
-    _tile_zero(2);
-    _tile_zero(3);
+  if constexpr (ZERO) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (G > 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
   }
   _tile_loadd(4, a0, lda);
   _tile_loadd(5, a1, lda);
@@ -1320,23 +1322,14 @@ inline void AmxStore(float (*ct)[kAmxRows * 16]) {
   }
 }
 
-// `RunBlk`'s product with tiles: the same parts, shapes and output. Per set
-// of two panels (four groups of 16 columns) and block, the widening of the
-// next block's B tiles runs while the tile unit multiplies this one's; then
-// the accumulators are stored and each row's scale and offset terms added
-// into y with FMAs.
-template <typename Q, int B, bool OFF, typename S>
-void RunBlkAmx(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart<Q>>& parts,
-               int64_t m_size, int64_t k_size, int64_t n_size, float* yp) {
-  const int64_t blocks = k_size / B;
-  const int64_t q_stride = k_size / 2 * kPairBytes<Q>, so_stride = ScaleStride<B, S>(k_size);
-  const int64_t tiles_m = (m_size + kAmxRows - 1) / kAmxRows, m_pad = tiles_m * kAmxRows;
-  // x as three bfloat16 pieces, each A tile's 16 rows x B contiguous:
-  // [m_pad / 16, K/B, 3, 16, B] (rows past m_size zero). Rows K apart
-  // instead would put a tile's 16 lines in 4 of L1's 64 sets. And the
-  // block sums xs [K/B, m_pad] for the offsets.
-  std::vector<uint16_t> pieces(3 * m_pad * k_size, 0);
-  std::vector<float> sums(m_pad * blocks, 0.0f);
+// x [M, K] (K a multiple of B) as three bfloat16 pieces whose sum is x
+// exactly, laid out so that each A tile's 16 rows x B are contiguous:
+// [ceil(M/16), K/B, 3, 16, B], rows past M zero. (Rows K apart instead
+// would put a tile's 16 lines in 4 of L1's 64 sets.)
+template <int B>
+std::vector<uint16_t> AmxPieces(const float* xp, int64_t m_size, int64_t k_size) {
+  const int64_t tiles_m = (m_size + kAmxRows - 1) / kAmxRows, blocks = k_size / B;
+  std::vector<uint16_t> pieces(3 * tiles_m * kAmxRows * k_size, 0);
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t m = 0; m < m_size; ++m) {
     const float* xm = xp + m * k_size;
@@ -1351,6 +1344,27 @@ void RunBlkAmx(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart
         rest = _mm512_sub_ps(rest, _mm512_castsi512_ps(top));  // exact: the bits below top's
       }
     }
+  }
+  return pieces;
+}
+
+// `RunBlk`'s product with tiles: the same parts, shapes and output. Per set
+// of two panels (four groups of 16 columns) and block, the widening of the
+// next block's B tiles runs while the tile unit multiplies this one's; then
+// the accumulators are stored and each row's scale and offset terms added
+// into y with FMAs.
+template <typename Q, int B, bool OFF, typename S>
+void RunBlkAmx(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart<Q>>& parts,
+               int64_t m_size, int64_t k_size, int64_t n_size, float* yp) {
+  const int64_t blocks = k_size / B;
+  const int64_t q_stride = k_size / 2 * kPairBytes<Q>, so_stride = ScaleStride<B, S>(k_size);
+  const int64_t tiles_m = (m_size + kAmxRows - 1) / kAmxRows, m_pad = tiles_m * kAmxRows;
+  // x as three bfloat16 pieces (`AmxPieces`), and the block sums xs
+  // [K/B, m_pad] for the offsets.
+  const std::vector<uint16_t> pieces = AmxPieces<B>(xp, m_size, k_size);
+  std::vector<float> sums(m_pad * blocks, 0.0f);
+  for (int64_t m = 0; m < m_size; ++m) {
+    const float* xm = xp + m * k_size;
     for (int64_t j = 0; j < blocks; ++j) {
       float total = 0.0f;
       for (int kk = 0; kk < B; ++kk) total += xm[j * B + kk];
@@ -1425,6 +1439,71 @@ void RunBlkAmx(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart
       if (i > 0) add((i - 1) / tiles_m, (i - 1) % tiles_m, ct[(i - 1) % 2]);
     }
     add((items - 1) / tiles_m, (items - 1) % tiles_m, ct[(items - 1) % 2]);
+    _tile_release();
+  });
+}
+// jspec_gemm_bf16's product with tiles (y [M, 32 panels] = x @ W for W
+// bfloat16 panels [P, K, 32], K a multiple of 32): no widening, only each
+// pair of k rows interleaved for the B tile, and no blocks, so the four
+// accumulators run over all of K and are stored once. Per output, the
+// float32 sum of its 3K exact products.
+void RunBf16Amx(ffi::ThreadPool& pool, const float* xp, const uint16_t* wp, int64_t m_size,
+                int64_t k_size, int64_t panels, int64_t n_size, float* yp) {
+  constexpr int B = 32;
+  const int64_t blocks = k_size / B, tiles_m = (m_size + kAmxRows - 1) / kAmxRows;
+  const std::vector<uint16_t> pieces = AmxPieces<B>(xp, m_size, k_size);
+  const uint16_t* xpc = pieces.data();
+  ForEachPanel(pool, (panels + 1) / 2, [=](int64_t set) {
+    const int64_t p0 = 2 * set, np = std::min<int64_t>(2, panels - p0);
+    alignas(64) uint32_t bt[4][16 * 16];
+    alignas(64) float ct[4][kAmxRows * 16];
+    // word 2c of a B tile row: k row 2r's column c; word 2c + 1: row 2r + 1's
+    alignas(64) static const uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
+                                                   6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27,
+                                                   12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i pairs = _mm512_load_si512(kPairs);
+    AmxConfigure<B>();
+    for (int64_t t = 0; t < tiles_m; ++t) {
+      const int64_t m0 = t * kAmxRows, r = std::min(kAmxRows, m_size - m0);
+      for (int64_t j = 0; j < blocks; ++j) {
+        for (int64_t g = 0; g < 2 * np; ++g) {
+          const uint16_t* w = wp + (p0 + g / 2) * k_size * kPanel + j * B * kPanel + (g % 2) * 16;
+          for (int64_t row = 0; row < B / 2; ++row) {
+            if (g % 2 == 0) {  // the panel's two k rows (a line each), 4 blocks ahead
+              __builtin_prefetch(w + (2 * row + 4 * B) * kPanel, 0, 3);
+              __builtin_prefetch(w + (2 * row + 1 + 4 * B) * kPanel, 0, 3);
+            }
+            const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2 * row * kPanel));
+            const __m256i b =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (2 * row + 1) * kPanel));
+            _mm512_store_si512(bt[g] + row * 16, _mm512_permutexvar_epi16(
+                pairs, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1)));
+          }
+        }
+        const uint16_t* a = xpc + (t * blocks + j) * 3 * kAmxRows * B;
+        constexpr int64_t piece = kAmxRows * B;
+        if (j == 0) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+        }
+        if (np == 2) {
+          AmxBlock<4, false>(a, a + piece, a + 2 * piece, 2 * B, bt);
+        } else {
+          AmxBlock<2, false>(a, a + piece, a + 2 * piece, 2 * B, bt);
+        }
+      }
+      if (np == 2) {
+        AmxStore<4>(ct);
+      } else {
+        AmxStore<2>(ct);
+      }
+      for (int64_t g = 0; g < 2 * np; ++g) {
+        float* y = yp + m0 * n_size + (p0 + g / 2) * kPanel + (g % 2) * 16;
+        for (int64_t m = 0; m < r; ++m) std::memcpy(y + m * n_size, ct[g] + m * 16, 64);
+      }
+    }
     _tile_release();
   });
 }
@@ -1900,7 +1979,10 @@ constexpr std::array<Bf16TileFn, sizeof...(R) + 1> MakeBf16Tiles(std::integer_se
 
 using Bf16Panels = ffi::Buffer<ffi::BF16, 3>;
 
-ffi::Error GemmBf16(ffi::ThreadPool pool, Matrix x, Bf16Panels w, ffi::Result<Matrix> y) {
+// any_order: the rows need not equal a one-row call's bit for bit (a
+// prefill), so from kAmxMinRows rows on AMX hosts take the tiles (`RunBf16Amx`).
+ffi::Error GemmBf16(ffi::ThreadPool pool, Matrix x, Bf16Panels w, ffi::Result<Matrix> y,
+                    bool any_order) {
   static constexpr auto tiles = MakeBf16Tiles<1>(std::make_integer_sequence<int, kBlkRows>{});
   static constexpr auto step_tiles =
       MakeBf16Tiles<kBlkStepPanels>(std::make_integer_sequence<int, kBlkStepRows>{});
@@ -1916,6 +1998,12 @@ ffi::Error GemmBf16(ffi::ThreadPool pool, Matrix x, Bf16Panels w, ffi::Result<Ma
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.typed_data());
   float* yp = y->typed_data();
   const int64_t m_size = xd[0], k_size = xd[1], panels = wd[0], n_size = yd[1];
+#if defined(JSPEC_AMX)
+  if (any_order && m_size >= kAmxMinRows && k_size % 32 == 0 && AmxReady()) {
+    RunBf16Amx(pool, xp, wp, m_size, k_size, panels, n_size, yp);
+    return ffi::Error::Success();
+  }
+#endif
   const int64_t stride = k_size * kPanel;
   // x packed per row tile: tile t (rows m0 .. m0 + r) as [K, r].
   const int64_t tiles_m = (m_size + kBlkRows - 1) / kBlkRows;
@@ -1952,9 +2040,10 @@ ffi::Error GemmBf16(ffi::ThreadPool pool, Matrix x, Bf16Panels w, ffi::Result<Ma
 }
 
 ffi::Error GemmBf16Layer(ffi::ThreadPool pool, Matrix x, LayerIndex layer,
-                         ffi::RemainingArgs weights, ffi::Result<Matrix> y) {
-  return WithLayer<Bf16Panels>("jspec_gemm_bf16_layer", layer, weights,
-                               [&](Bf16Panels w) { return GemmBf16(pool, x, w, y); });
+                         ffi::RemainingArgs weights, ffi::Result<Matrix> y, bool any_order) {
+  return WithLayer<Bf16Panels>("jspec_gemm_bf16_layer", layer, weights, [&](Bf16Panels w) {
+    return GemmBf16(pool, x, w, y, any_order);
+  });
 }
 
 }  // namespace
@@ -1964,7 +2053,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBf16, GemmBf16,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
                                   .Arg<Bf16Panels>()
-                                  .Ret<Matrix>());
+                                  .Ret<Matrix>()
+                                  .Attr<bool>("any_order"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBf16Layer, GemmBf16Layer,
                               ffi::Ffi::Bind()
@@ -1972,4 +2062,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBf16Layer, GemmBf16Layer,
                                   .Arg<Matrix>()
                                   .Arg<LayerIndex>()
                                   .RemainingArgs()
-                                  .Ret<Matrix>());
+                                  .Ret<Matrix>()
+                                  .Attr<bool>("any_order"));

@@ -218,12 +218,12 @@ class LayerPick:
     return jax.lax.switch(self.index, [lambda w=w: w for w in self.weights])
 
 
-def _call(target: str, out_type, x: jax.Array, panels) -> jax.Array:
-  """The FFI call of `target`, or of its layer variant when `panels` is a `LayerPick`."""
+def _call(target: str, out_type, x: jax.Array, panels, **attrs) -> jax.Array:
+  """The FFI call of `target` (with its attributes), or of its layer variant when `panels` is a `LayerPick`."""
   if isinstance(panels, LayerPick):
     return jax.ffi.ffi_call(LAYER_TARGETS[target], out_type)(
-        x, panels.index.astype(jnp.int32), *panels.weights)
-  return jax.ffi.ffi_call(target, out_type)(x, panels)
+        x, panels.index.astype(jnp.int32), *panels.weights, **attrs)
+  return jax.ffi.ffi_call(target, out_type)(x, panels, **attrs)
 
 
 def matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
@@ -1198,7 +1198,8 @@ def matmul_bf16(x: jax.Array, panels) -> jax.Array:
   half), so this is `matmul` over the widened panels, reading half the
   bytes: `jspec_gemm_bf16` where the kernel is available, x is float32 and
   the program runs on CPU, else an einsum over the widened panels (the two
-  sum in different orders).
+  sum in different orders). Under `any_order` (a prefill), from 16 rows on
+  an AMX host, the kernel multiplies with tiles.
 
   Args:
     x: [..., K] float32 activations.
@@ -1213,7 +1214,7 @@ def matmul_bf16(x: jax.Array, panels) -> jax.Array:
   if (x.dtype == jnp.float32 and panels.dtype == jnp.bfloat16 and available()
       and jax.default_backend() == "cpu"):
     out_type = jax.ShapeDtypeStruct((rows.shape[0], p * width), jnp.float32)
-    y = _call(TARGET_BF16, out_type, rows, panels)
+    y = _call(TARGET_BF16, out_type, rows, panels, any_order=_ANY_ORDER.get())
   else:
     if isinstance(panels, LayerPick):
       panels = panels.value()

@@ -16,6 +16,7 @@ exactly. The checks:
 - factored and float scales give the same bits, as in the FMA path;
 - outside `any_order`, and under it below 16 rows, the ordinary kernel's
   bits, so verify rows still equal the one-row step's;
+- bfloat16 panels (`jspec_gemm_bf16`) take tiles alike, over all of K;
 - `decode.encode` traces its forwards under `any_order`, and a step does
   not; a tiny block target's prefill on tiles gives its logits within
   float32 rounding and the same argmax.
@@ -107,15 +108,16 @@ def test_tiles_match_float64(m, b, nibbles, offsets):
 @pytest.mark.parametrize("b", [16, 32])
 @pytest.mark.parametrize("nibbles", [False, True])
 def test_three_pieces_exactly(b, nibbles):
-  # x = a + c 2^-9 + e 2^-18 needs all three bfloat16 pieces (its bits span
-  # 19 places), and with q in {-1, 0, 1} (nibbles {0, 1}), scales 1 and one
-  # block per output no sum rounds: the tiles must give the float64 product.
+  # x = a + c 2^-9 + e 2^-18 (|a| <= 1) needs all three bfloat16 pieces
+  # (its bits span 19 places), and with q in {-1, 0, 1} (nibbles {0, 1}),
+  # scales 1 and one block per output every sum stays under 2^6 in steps of
+  # 2^-18, so none rounds: the tiles must give the float64 product.
   _need_amx()
   rng = np.random.default_rng(b + nibbles)
   n, m = 64, 16
   q = rng.integers(0 if nibbles else -1, 2, (n, b)).astype(np.int8)
   s = np.ones((n, 1), np.float32)
-  x = (rng.integers(-2, 3, (m, b)) + rng.choice([-1, 1], (m, b)) * 2.0 ** -9
+  x = (rng.integers(-1, 2, (m, b)) + rng.choice([-1, 1], (m, b)) * 2.0 ** -9
        + rng.choice([-1, 1], (m, b)) * 2.0 ** -18).astype(np.float32)
   got = _run(x, _pack(q, s, None, nibbles), any_order=True)
   np.testing.assert_array_equal(got, x.astype(np.float64) @ q.T.astype(np.float64))
@@ -183,6 +185,50 @@ def test_layer_loop_and_shared_calls_take_the_tiles():
   for y, i in ((gate, 0), (up, 2)):
     q, s, o = forms[i]
     assert _same_bits(y, got[i]), i  # the same rows and panels: the same tiles
+
+
+def _bf16_leaf(k, n, seed):
+  w = np.random.default_rng(seed).standard_normal((k, n)).astype(np.float32)
+  leaf = weights.to_bf16_panels(weights.Dense(jnp.asarray(w).astype(jnp.bfloat16)))
+  assert isinstance(leaf, weights.BF16Panels)
+  return leaf, np.asarray(jnp.asarray(w).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def _dot(x, leaf, any_order):
+  def f(x):
+    if any_order:
+      with cpu_kernels.any_order():
+        return weights.dot(x, leaf)
+    return weights.dot(x, leaf)
+  return np.asarray(jax.jit(f)(jnp.asarray(x)))
+
+
+@pytest.mark.parametrize("m", [16, 17, 40])
+def test_bf16_panels_on_tiles_match_float64(m):
+  # A bfloat16 checkpoint's panels (`jspec_gemm_bf16`): the tiles sum each
+  # output's 3K exact products in float32, within (3K + 2) U sum |x w|.
+  _need_amx()
+  leaf, w = _bf16_leaf(256, 224, seed=m)
+  x = np.random.default_rng(m).standard_normal((m, 256)).astype(np.float32)
+  got = _dot(x, leaf, any_order=True)
+  want = x.astype(np.float64) @ w
+  tol = (3 * 256 + 2) * U * (np.abs(x).astype(np.float64) @ np.abs(w))
+  assert np.all(np.abs(got - want) <= tol), np.max(np.abs(got - want))
+  assert not _same_bits(got, _dot(x, leaf, any_order=False))  # the tiles ran
+  assert _same_bits(_dot(x[:16], leaf, any_order=True), got[:16])  # rows alone
+
+
+def test_bf16_panels_three_pieces_exactly():
+  # x needing all three pieces, bfloat16 weights in {-1, 0, 1}, K = 32: no
+  # sum rounds. *Planted*: the k pair's two rows swapped in the B tile fails.
+  _need_amx()
+  rng = np.random.default_rng(9)
+  w = rng.integers(-1, 2, (32, 64)).astype(np.float32)
+  leaf = weights.to_bf16_panels(weights.Dense(jnp.asarray(w).astype(jnp.bfloat16)))
+  x = (rng.integers(-1, 2, (16, 32)) + rng.choice([-1, 1], (16, 32)) * 2.0 ** -9
+       + rng.choice([-1, 1], (16, 32)) * 2.0 ** -18).astype(np.float32)
+  np.testing.assert_array_equal(_dot(x, leaf, any_order=True),
+                                x.astype(np.float64) @ w.astype(np.float64))
 
 
 @pytest.mark.parametrize("m", [1, 5, 9, 15, 16])

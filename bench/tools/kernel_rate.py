@@ -19,7 +19,9 @@ process, alternated rep by rep. The forms:
   q4k_float   the same numbers with float32 scales and offsets;
   q6k         Q6_K's numbers (a float16 d per 256, an int8 sc per 16, q in
               [-32, 31]) as jspec stores them: a byte per q, the scales
-              factored.
+              factored;
+  bf16        the weights rounded to bfloat16, as a bfloat16 checkpoint's
+              are stored (`weights.to_bf16_panels`).
 
 The chains:
 
@@ -85,7 +87,8 @@ def _q6k(w: weights.Dense) -> weights.Leaf:
 
 
 FORMS = {"4bit": weights.to_int4_blocks, "int8": weights.to_int8_blocks,
-         "q4k": lambda w: _q4k(w, True), "q4k_float": lambda w: _q4k(w, False), "q6k": _q6k}
+         "q4k": lambda w: _q4k(w, True), "q4k_float": lambda w: _q4k(w, False), "q6k": _q6k,
+         "bf16": lambda w: weights.to_bf16_panels(weights.Dense(w.w.astype(jnp.bfloat16)))}
 
 
 def _chain(ws: list, reps_per_matrix: int, d: int, any_order: bool = False):
