@@ -1350,9 +1350,9 @@ std::vector<uint16_t> AmxPieces(const float* xp, int64_t m_size, int64_t k_size)
 
 // `RunBlk`'s product with tiles: the same parts, shapes and output. Per set
 // of two panels (four groups of 16 columns) and block, the widening of the
-// next block's B tiles runs while the tile unit multiplies this one's; then
-// the accumulators are stored and each row's scale and offset terms added
-// into y with FMAs.
+// next block's B tiles runs while the tile unit multiplies this one's; the
+// accumulators are stored, and each row's scale and offset terms of a pair
+// of blocks are added into y with FMAs while the next pair multiplies.
 template <typename Q, int B, bool OFF, typename S>
 void RunBlkAmx(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart<Q>>& parts,
                int64_t m_size, int64_t k_size, int64_t n_size, float* yp) {
@@ -1383,62 +1383,75 @@ void RunBlkAmx(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart
     const S* s = static_cast<const S*>(part.s);
     const S* o = OFF ? static_cast<const S*>(part.o) : nullptr;
     alignas(64) uint32_t bt[2][4][16 * 16];  // this block's B tiles and the next's
-    alignas(64) float ct[2][4][kAmxRows * 16];  // this item's accumulators and the last's
+    // Accumulators of two blocks (a pair), for this pair and the last one.
+    alignas(64) float ct[2][2][4][kAmxRows * 16];
     auto widen = [&](int64_t j, uint32_t (*into)[16 * 16]) {
       for (int64_t p = 0; p < np; ++p) {
         const Q* pair = part.q + (p0 + p) * q_stride + j * (B / 2) * kPairBytes<Q>;
-        __builtin_prefetch(pair + 8 * (B / 2) * kPairBytes<Q>, 0, 3);
+        // every line of the panel's block 8 blocks ahead
+        constexpr int64_t kBlockBytes = (B / 2) * kPairBytes<Q>;
+        for (int64_t line = 0; line < kBlockBytes; line += 64) {
+          __builtin_prefetch(pair + 8 * kBlockBytes + line, 0, 3);
+        }
         AmxWiden<B>(pair, into[2 * p]);
         AmxWiden<B>(pair + 16, into[2 * p + 1]);
       }
     };
-    // y += each row's scale and offset terms of item (block j, row tile t).
+    // y += each row's scale and offset terms of blocks j and j + 1 (where
+    // j + 1 < blocks) for row tile t: one pass over y for the two.
     const int64_t ldy = n_size, groups = 2 * np, rows = m_size;
     float* const y0 = yp + part.col + p0 * kPanel;
-    auto add = [=](int64_t j, int64_t t, const float (*acc)[kAmxRows * 16]) {
+    auto add = [=](int64_t j, int64_t t, const float (*acc)[4][kAmxRows * 16]) {
       const int64_t m0 = t * kAmxRows, r = std::min(kAmxRows, rows - m0);
-      const float* xsj = xs + j * m_pad + m0;
+      const bool two = j + 1 < blocks;
+      const float* xs0 = xs + j * m_pad + m0;
+      const float* xs1 = two ? xs0 + m_pad : xs0;
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t p = p0 + g / 2, c = (g % 2) * 16;
-        const Vec sv = BlockScale<B>(s + p * so_stride, j, c);
-        const Vec ov = OFF ? BlockScale<B>(o + p * so_stride, j, c) : Vec{};
+        const Vec s0 = BlockScale<B>(s + p * so_stride, j, c);
+        const Vec o0 = OFF ? BlockScale<B>(o + p * so_stride, j, c) : Vec{};
+        const Vec s1 = two ? BlockScale<B>(s + p * so_stride, j + 1, c) : Vec{};
+        const Vec o1 = OFF && two ? BlockScale<B>(o + p * so_stride, j + 1, c) : Vec{};
         float* y = y0 + m0 * ldy + g * 16;
-        const float* a = acc[g];
-        if (j == 0) {
-          for (int64_t m = 0; m < r; ++m) {
-            Vec sum = sv * Load(a + m * 16);
-            if (OFF) sum += ov * xsj[m];
-            std::memcpy(y + m * ldy, &sum, sizeof(Vec));
+        const float* a0 = acc[0][g];
+        const float* a1 = acc[1][g];
+#pragma GCC unroll 4
+        for (int64_t m = 0; m < r; ++m) {
+          Vec sum = j > 0 ? Load(y + m * ldy) : Vec{};
+          sum += s0 * Load(a0 + m * 16);
+          if (OFF) sum += o0 * xs0[m];
+          if (two) {
+            sum += s1 * Load(a1 + m * 16);
+            if (OFF) sum += o1 * xs1[m];
           }
-        } else {
-#pragma GCC unroll 16
-          for (int64_t m = 0; m < r; ++m) {
-            Vec sum = Load(y + m * ldy) + sv * Load(a + m * 16);
-            if (OFF) sum += ov * xsj[m];
-            std::memcpy(y + m * ldy, &sum, sizeof(Vec));
-          }
+          std::memcpy(y + m * ldy, &sum, sizeof(Vec));
         }
       }
     };
     AmxConfigure<B>();
-    widen(0, bt[0]);
-    // Items (j, t) in order; each one's terms are added while the next multiplies.
-    const int64_t items = blocks * tiles_m;
-    for (int64_t i = 0; i < items; ++i) {
-      const int64_t j = i / tiles_m, t = i % tiles_m;
-      const uint16_t* a = xpc + (t * blocks + j) * 3 * kAmxRows * B;
-      constexpr int64_t piece = kAmxRows * B;
-      if (np == 2) {
-        AmxBlock<4>(a, a + piece, a + 2 * piece, 2 * B, bt[j % 2]);
-        AmxStore<4>(ct[i % 2]);
-      } else {
-        AmxBlock<2>(a, a + piece, a + 2 * piece, 2 * B, bt[j % 2]);
-        AmxStore<2>(ct[i % 2]);
+    constexpr int64_t piece = kAmxRows * B;
+    for (int64_t t = 0; t < tiles_m; ++t) {
+      widen(0, bt[0]);
+      // Blocks in pairs; a pair's terms are added while the next pair multiplies.
+      for (int64_t jp = 0; jp < blocks; jp += 2) {
+        const int64_t slot = (jp / 2) % 2;
+        for (int64_t h = 0; h < 2 && jp + h < blocks; ++h) {
+          const int64_t j = jp + h;
+          const uint16_t* a = xpc + (t * blocks + j) * 3 * piece;
+          if (np == 2) {
+            AmxBlock<4>(a, a + piece, a + 2 * piece, 2 * B, bt[j % 2]);
+            AmxStore<4>(ct[slot][h]);
+          } else {
+            AmxBlock<2>(a, a + piece, a + 2 * piece, 2 * B, bt[j % 2]);
+            AmxStore<2>(ct[slot][h]);
+          }
+          if (j + 1 < blocks) widen(j + 1, bt[(j + 1) % 2]);
+          if (h == 0 && jp > 0) add(jp - 2, t, ct[1 - slot]);
+        }
       }
-      if (t == 0 && j + 1 < blocks) widen(j + 1, bt[(j + 1) % 2]);
-      if (i > 0) add((i - 1) / tiles_m, (i - 1) % tiles_m, ct[(i - 1) % 2]);
+      const int64_t last = (blocks - 1) / 2 * 2;
+      add(last, t, ct[(last / 2) % 2]);
     }
-    add((items - 1) / tiles_m, (items - 1) % tiles_m, ct[(items - 1) % 2]);
     _tile_release();
   });
 }
