@@ -651,7 +651,7 @@ def test_fuse_gate_up_gives_the_separate_calls_numbers():
 def test_kernel_rate_times_streamed_and_cached_calls_of_each_form():
   from bench.tools import kernel_rate
   got = kernel_rate.measure(d=256, f=96, layers=2, cached_outputs=32, calls=3, reps=2)
-  assert set(got) == {"4bit", "int8", "q4k", "q4k_float", "q6k"}
+  assert set(got) == {"4bit", "int8", "q4k", "q4k_float", "q6k", "bf16"}
   for form in got.values():
     assert form["stream"]["bytes_per_call"] > form["cached"]["bytes_per_call"] > 0
     assert min(form[k]["ms_per_call"] for k in ("stream", "cached")) > 0
@@ -664,6 +664,7 @@ def test_kernel_rate_times_streamed_and_cached_calls_of_each_form():
   assert got["q4k_float"]["stream"]["bytes_per_call"] == 96 * 256 * 0.75
   # Q6_K: a byte per q, d (4 bytes) per 256 and an int8 sc per 16
   assert got["q6k"]["stream"]["bytes_per_call"] == 96 * 256 * (1 + 4 / 256 + 1 / 16)
+  assert got["bf16"]["stream"]["bytes_per_call"] == 96 * 256 * 2
 
 
 def test_kernel_rate_counts_the_multiply_adds_of_several_rows():
@@ -678,6 +679,19 @@ def test_kernel_rate_counts_the_multiply_adds_of_several_rows():
       outputs = 96 if kind == "stream" else 32
       assert rec["weights_per_ns"] == pytest.approx(256 * outputs / rec["ms_per_call"] / 1e6)
   assert got["q4k@5"]["stream"]["bytes_per_call"] == got["q4k"]["stream"]["bytes_per_call"]
+
+
+def test_kernel_rate_times_each_chain_again_as_a_prefills_products():
+  from bench.tools import kernel_rate
+  got = kernel_rate.measure(d=256, f=96, layers=2, cached_outputs=32, calls=3, reps=2,
+                            forms=("q4k",), rows=(16,), any_order=True)
+  assert set(got) == {"q4k@16", "q4k@16/any_order"}
+  assert got["q4k@16/any_order"]["rows"] == 16
+  assert (got["q4k@16/any_order"]["stream"]["bytes_per_call"]
+          == got["q4k@16"]["stream"]["bytes_per_call"])
+  assert kernel_rate.main(["--forms", "q4k", "--rows", "16", "--any-order", "--dims", "256,96",
+                           "--layers", "1", "--cached-outputs", "32", "--calls", "1",
+                           "--reps", "1"]) == 0
 
 
 def test_compare_rotates_configurations_and_flags_unequal_ids(tmp_path, capsys):
