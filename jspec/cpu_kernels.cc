@@ -1686,7 +1686,7 @@ ffi::Error GemmBlk4SymLayer(ffi::ThreadPool pool, Matrix x, LayerIndex layer,
 // nibbles, one B, offsets or none) times the same x, in one call:
 //
 //   jspec_gemm_blk_many(x [M, K] f32, layer [] s32, buffers...;
-//                       parts, layers, nibbles, offsets) -> y [M, N_0 + N_1 + ...]
+//                       parts, layers, nibbles, offsets, any_order) -> y [M, N_0 + N_1 + ...]
 //
 // Part j's buffers are its q of every layer, then its s of every layer (then
 // its o), part after part; layer picks each one's (1 layer outside the layer
@@ -1782,7 +1782,7 @@ ffi::Error GemmBlkMany(ffi::ThreadPool pool, Matrix x, LayerIndex layer, ffi::Re
 // reads layer `local` of group `form`:
 //
 //   jspec_gemm_blk_forms(x [M, K] f32, form [] s32, local [] s32, buffers...;
-//                        layers[G], nibbles[G], offsets[G]) -> y [M, N]
+//                        layers[G], nibbles[G], offsets[G], any_order) -> y [M, N]
 //
 // Group g's buffers are its q of each of its layers[g] layers, then their s
 // (then their o, where offsets[g]), group after group. Why: held in one form,
@@ -1916,7 +1916,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecGemmBlk4SymLayer, GemmBlk4SymLayer,
 // jspec_gemm_bf16: float activations times bfloat16 weights widened exactly
 // to float32 (a bfloat16 is the top half of a float32: a 16-bit shift):
 //
-//   jspec_gemm_bf16(x [M, K] f32, w [P, K, 32] bf16) -> y [M, P * 32] f32
+//   jspec_gemm_bf16(x [M, K] f32, w [P, K, 32] bf16; any_order) -> y [M, P * 32] f32
 //
 // Why: a checkpoint stored in bfloat16 (HF's Qwen2.5 is) holds its model in
 // half of float32's bytes, and a decode step is bound by the bytes it reads.
