@@ -1359,11 +1359,11 @@ void RunBlkAmx(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart
   const int64_t blocks = k_size / B;
   const int64_t q_stride = k_size / 2 * kPairBytes<Q>, so_stride = ScaleStride<B, S>(k_size);
   const int64_t tiles_m = (m_size + kAmxRows - 1) / kAmxRows, m_pad = tiles_m * kAmxRows;
-  // x as three bfloat16 pieces (`AmxPieces`), and the block sums xs
-  // [K/B, m_pad] for the offsets.
+  // x as three bfloat16 pieces (`AmxPieces`), and with offsets the block
+  // sums xs [K/B, m_pad].
   const std::vector<uint16_t> pieces = AmxPieces<B>(xp, m_size, k_size);
-  std::vector<float> sums(m_pad * blocks, 0.0f);
-  for (int64_t m = 0; m < m_size; ++m) {
+  std::vector<float> sums(OFF ? m_pad * blocks : 0, 0.0f);
+  for (int64_t m = 0; OFF && m < m_size; ++m) {
     const float* xm = xp + m * k_size;
     for (int64_t j = 0; j < blocks; ++j) {
       float total = 0.0f;
@@ -1404,8 +1404,8 @@ void RunBlkAmx(ffi::ThreadPool& pool, const float* xp, const std::vector<BlkPart
     auto add = [=](int64_t j, int64_t t, const float (*acc)[4][kAmxRows * 16]) {
       const int64_t m0 = t * kAmxRows, r = std::min(kAmxRows, rows - m0);
       const bool two = j + 1 < blocks;
-      const float* xs0 = xs + j * m_pad + m0;
-      const float* xs1 = two ? xs0 + m_pad : xs0;
+      const float* xs0 = OFF ? xs + j * m_pad + m0 : nullptr;
+      const float* xs1 = OFF && two ? xs0 + m_pad : xs0;
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t p = p0 + g / 2, c = (g % 2) * 16;
         const Vec s0 = BlockScale<B>(s + p * so_stride, j, c);

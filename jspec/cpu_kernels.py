@@ -219,7 +219,7 @@ class LayerPick:
 
 
 def _call(target: str, out_type, x: jax.Array, panels, **attrs) -> jax.Array:
-  """The FFI call of `target` (with its attributes), or of its layer variant when `panels` is a `LayerPick`."""
+  """The FFI call of `target` with `attrs` (of its layer variant when `panels` is a `LayerPick`)."""
   if isinstance(panels, LayerPick):
     return jax.ffi.ffi_call(LAYER_TARGETS[target], out_type)(
         x, panels.index.astype(jnp.int32), *panels.weights, **attrs)
@@ -267,12 +267,12 @@ _ANY_ORDER = contextvars.ContextVar("jspec_any_order", default=False)
 
 @contextlib.contextmanager
 def any_order():
-  """Block products traced inside may sum each row in an order that depends on the row count.
+  """Block and bfloat16 products traced inside may sum a row in an order other than a step's.
 
   Everywhere else a row's product is bit for bit the same whichever rows
   share the call, so a verify row equals the target-only step's. A prefill
   chunk needs no such equality (every mode prefills alike), and from 16
-  rows on an AMX host its products take the tiles (`amx_available`),
+  rows on an AMX host its block and bfloat16 products take the tiles (`amx_available`),
   which multiply faster than the FMAs (docs/decisions-compact.md, "AMX
   for prefill chunks"). It acts at trace time, like `jax.named_scope`.
 
@@ -287,7 +287,7 @@ def any_order():
 
 
 def amx_available() -> bool:
-  """Whether block products under `any_order` take AMX tiles here.
+  """Whether block and bfloat16 products under `any_order` take AMX tiles here.
 
   Returns:
     True where the kernels are built with AMX (the host has AMX-BF16) and
@@ -1165,8 +1165,8 @@ def matmul_blocks_many(x: jax.Array, parts) -> list[jax.Array]:
   forms = {blocks_form(*part) for part in parts}
   lead, k = x.shape[:-1], x.shape[-1]
   # One part goes through here only under `any_order`, which this call carries.
-  if not ((len(parts) > 1 or _ANY_ORDER.get()) and len(forms) == 1 and x.dtype == jnp.float32 and available()
-          and jax.default_backend() == "cpu"):
+  if not ((len(parts) > 1 or _ANY_ORDER.get()) and len(forms) == 1 and x.dtype == jnp.float32
+          and available() and jax.default_backend() == "cpu"):
     return [matmul_blocks(x, *part) for part in parts]
   k_form, b, nibbles, offsets, layers, _ = forms.pop()
   if k_form != k:

@@ -79,7 +79,7 @@ def _widened(q, s, o, b):  # [N, K] float64, exactly the stored model
 
 
 def _tolerance(x, q, s, o, b):
-  """Per output: (3B + K/B + 4) U sum_k |x_k| (|s q_k| + |o|), the bound of the tiles' float32 sums."""
+  """Per output: (3B + K/B + 4) U sum_k |x_k| (|s q_k| + |o|), the bound of the tiles' sums."""
   k = q.shape[1]
   mag = np.abs(np.repeat(s, b, axis=1).astype(np.float64) * q)
   if o is not None:
