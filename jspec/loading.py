@@ -22,7 +22,6 @@ draft with a tokenizer of its own must agree with it.
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import dataclasses
 import hashlib
 import json
@@ -43,6 +42,7 @@ from convert import keys
 from convert import store
 from jspec import bundle as bundle_lib
 from jspec import fetch
+from jspec import heap
 from jspec import mesh as mesh_lib
 from jspec import model
 from jspec import prepared as prepared_lib
@@ -312,7 +312,7 @@ def _prepared_cached(gguf_path: pathlib.Path, sha256: str, dtype: str, role: str
   except prepared_lib.PreparedError:
     return prepared
   del prepared
-  _release_freed()
+  heap.trim()  # what Python and XLA freed would otherwise stay in glibc's heap
   return mapped
 
 
@@ -411,14 +411,6 @@ def _model(path: PathLike, dtype: str, progress: bool = False) -> _Loaded:
   if store.is_jspec_file(store.resolve_path(pathlib.Path(path))):
     return store.load(path, dtype, mapped=True)
   return convert.load_checkpoint(path, dtype=dtype, progress=progress)
-
-
-def _release_freed() -> None:
-  """Hands memory freed by Python and XLA back to the OS (glibc keeps freed heap otherwise)."""
-  try:
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-  except (OSError, AttributeError):  # not glibc: nothing to do
-    pass
 
 
 def _kind(path: pathlib.Path) -> str:
