@@ -20,6 +20,8 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
+import jax
+
 from bench import derive
 from bench import engine
 from bench import finalize
@@ -33,6 +35,8 @@ from bench import plots
 from bench import prompts as prompts_lib
 from bench import report
 from bench import results
+from jspec import bundle as bundle_lib
+from jspec import cpu_kernels
 from jspec import distill_data
 from jspec import options as options_lib
 from jspec import programs
@@ -61,6 +65,22 @@ def _prompt_list(opts: argparse.Namespace) -> list[prompts_lib.Prompt]:
   return prompts_lib.select(pool, opts.prompts)
 
 
+def _draft_int4(asked: Optional[bool]) -> bool:
+  """Whether this run's draft is stored in 4 bits: the flag, or what its default resolves to here.
+
+  Recorded resolved, so that `--resume` never joins records of an int8 draft
+  to a 4-bit one's (the default moved from the one to the other).
+
+  Args:
+    asked: `--draft-int4` / `--no-draft-int4`, or None for the default.
+
+  Returns:
+    The storage `jspec.load` gives the draft on this host.
+  """
+  kernels = jax.default_backend() == "cpu" and cpu_kernels.available()
+  return bundle_lib.draft_int4(bundle_lib.Settings(draft_int4=asked), kernels)
+
+
 def _settings(opts, chosen, prompt_list) -> dict[str, Any]:
   return {
       "model": None if (opts.target or opts.smoke) else opts.model,
@@ -72,8 +92,7 @@ def _settings(opts, chosen, prompt_list) -> dict[str, Any]:
       "gammas": opts.gammas, "max_new_tokens": opts.max_new_tokens, "reps": opts.reps,
       "dtype": opts.dtype, "device": opts.device, "stop_at_eos": opts.stop_at_eos,
       "draft_vocab": getattr(opts, "draft_vocab", None),
-      # None: the Settings default (4-bit where the int4 kernel runs).
-      "draft_int4": getattr(opts, "draft_int4", None),
+      "draft_int4": _draft_int4(getattr(opts, "draft_int4", None)),
       "stopping_rule": ("EOS on both sides (jspec stop_at_eos=True, HF eos_token_id = the same "
                         "ids)" if opts.stop_at_eos else
                         "EOS disabled on both sides (jspec stop_at_eos=False, HF "

@@ -279,6 +279,22 @@ def test_resume_refuses_other_settings(tmp_path, smoke_run):
   assert exc.value.code == 2
 
 
+def test_resume_refuses_a_file_whose_draft_storage_is_unresolved(tmp_path):
+  # Files written before the draft's storage was recorded resolved say None,
+  # which meant int8 then and 4-bit where VNNI runs now: never joined.
+  from bench import runner  # pylint: disable=import-outside-toplevel
+  resolved = runner._draft_int4(None)  # pylint: disable=protected-access
+  assert isinstance(resolved, bool)
+  assert resolved == jspec.bundle.draft_int4(jspec.Settings(), jspec.cpu_kernels.available())
+  assert runner._draft_int4(False) is False  # pylint: disable=protected-access
+  out = tmp_path / "old.json"
+  settings = {k: None for k in results.RESUME_KEYS}
+  results.write(results.new(settings), out)
+  with pytest.raises(ValueError, match="draft_int4"):
+    results.resume(out, {**settings, "draft_int4": resolved})
+  assert results.resume(out, dict(settings)) is not None  # the same settings still resume
+
+
 def test_suite_covers_the_required_kinds():
   suite = prompts_lib.SUITE
   assert len(suite) >= 10 and len({p.name for p in suite}) == len(suite)
