@@ -206,3 +206,25 @@ def test_mixed_layer_picks_and_arrays_are_refused():
   pick = cpu_kernels.LayerPick((qp,), jnp.int32(0))
   with pytest.raises(ValueError, match="LayerPick"):
     cpu_kernels.matmul_blocks(jnp.ones((1, 64)), pick, sp, op)
+
+
+def test_kernels_name_a_bad_layer_or_buffer_count():
+  # What the Python side should never send is still checked in the C++ and
+  # named with what was expected, not read past the end of the buffer list.
+  _need_kernel()
+  q, s, o = (jnp.asarray(a) for a in _blocks(32, 64, 32, True, seed=14))
+  qp, sp, op = cpu_kernels.pack_blocks(q, s, o)
+  x = jnp.ones((1, 64), jnp.float32)
+  layer = jax.ffi.ffi_call(cpu_kernels.LAYER_TARGETS[cpu_kernels.TARGET_BLK],
+                           jax.ShapeDtypeStruct((1, 32), jnp.float32))
+  for index in (1, -1):
+    with pytest.raises(Exception, match=rf"layer {index} outside \[0, 1\) or 3 buffers"):
+      layer(x, jnp.int32(index), qp, sp, op).block_until_ready()
+  np.testing.assert_array_equal(np.asarray(layer(x, jnp.int32(0), qp, sp, op)),
+                                np.asarray(cpu_kernels.matmul_blocks(x, qp, sp, op)))
+  many = jax.ffi.ffi_call(cpu_kernels.TARGET_BLK_MANY, jax.ShapeDtypeStruct((1, 64), jnp.float32))
+  attrs = dict(parts=2, layers=1, nibbles=False, offsets=True, any_order=False)
+  with pytest.raises(Exception, match="3 buffers for 2 parts of 1 layers"):
+    many(x, jnp.int32(0), qp, sp, op, **attrs).block_until_ready()
+  with pytest.raises(Exception, match=r"a layer in \[0, 1\), got 6 buffers and layer 1"):
+    many(x, jnp.int32(1), qp, sp, op, qp, sp, op, **attrs).block_until_ready()
