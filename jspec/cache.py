@@ -69,7 +69,8 @@ def init(cfg: config_lib.Qwen2Config, batch: int, slots: int,
   return KVCache(k=k, v=v, lengths=lengths)
 
 
-def write_layer(buf: jax.Array, layer: int, new: jax.Array, starts: jax.Array) -> jax.Array:
+def write_layer(buf: jax.Array, layer: int, new: jax.Array, starts: jax.Array,
+                sharded: bool = False) -> jax.Array:
   """Writes one layer's new keys (or values) at each row's own offset.
 
   Args:
@@ -77,15 +78,16 @@ def write_layer(buf: jax.Array, layer: int, new: jax.Array, starts: jax.Array) -
     layer: static layer index.
     new: [B, T, K, H] entries for T consecutive positions per row.
     starts: [B] int32 first slot to write in each row.
+    sharded: the buffer is split over a mesh (see `write_chunks`).
 
   Returns:
     [L, B, S, K, H] the buffer with the entries written.
   """
-  return write_chunks(buf, new[None], starts, first_layer=layer)
+  return write_chunks(buf, new[None], starts, first_layer=layer, sharded=sharded)
 
 
 def write_chunks(buf: jax.Array, new: jax.Array, starts: jax.Array,
-                 first_layer: int = 0) -> jax.Array:
+                 first_layer: int = 0, sharded: bool = False) -> jax.Array:
   """Writes consecutive layers' new keys (or values) at each row's own offset.
 
   Args:
@@ -94,15 +96,35 @@ def write_chunks(buf: jax.Array, new: jax.Array, starts: jax.Array,
       layers first_layer .. first_layer + L' - 1.
     starts: [B] int32 first slot to write in each row.
     first_layer: static index of new's first layer.
+    sharded: the buffer is split over a mesh (rows over "data", heads over
+      "model"): each row is updated on its own, which the partitioner keeps
+      on the devices that hold the row, where it would gather the one
+      scatter's windows across them.
 
   Returns:
     [L, B, S, K, H] the buffer with the entries written.
   """
-  def one_row(row_buf, row_new, start):  # [L, S, K, H], [L', T, K, H], []
-    zero = jnp.zeros((), jnp.int32)
-    return jax.lax.dynamic_update_slice(row_buf, row_new.astype(row_buf.dtype),
-                                        (jnp.int32(first_layer), start, zero, zero))
-  return jax.vmap(one_row, in_axes=(1, 1, 0), out_axes=1)(buf, new, starts)
+  if sharded:
+    def one_row(row_buf, row_new, start):  # [L, S, K, H], [L', T, K, H], []
+      zero = jnp.zeros((), jnp.int32)
+      return jax.lax.dynamic_update_slice(row_buf, row_new.astype(row_buf.dtype),
+                                          (jnp.int32(first_layer), start, zero, zero))
+    return jax.vmap(one_row, in_axes=(1, 1, 0), out_axes=1)(buf, new, starts)
+  b = new.shape[1]
+  # One scatter over the buffer as it lies: row r's window [L', T, K, H] goes
+  # to (first_layer, r, starts[r], 0, 0). A vmapped per-row update would move
+  # the rows' axis first, and XLA then transposes the whole cache into that
+  # order and back around the write, every step.
+  index = jnp.stack([jnp.full((b,), first_layer, jnp.int32), jnp.arange(b, dtype=jnp.int32),
+                     starts.astype(jnp.int32)], axis=1)  # [B, 3]
+  dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(1, 2, 3, 4),
+                                         inserted_window_dims=(1,),
+                                         scatter_dims_to_operand_dims=(0, 1, 2))
+  updates = jnp.moveaxis(new, 1, 0).astype(buf.dtype)  # [B, L', T, K, H]
+  # CLIP clamps a window that would run past the buffer back inside it, as
+  # dynamic_update_slice does; the caches are sized so that none does.
+  return jax.lax.scatter(buf, index, updates, dims, indices_are_sorted=True,
+                         unique_indices=True, mode=jax.lax.GatherScatterMode.CLIP)
 
 
 def with_lengths(cache: KVCache, lengths: jax.Array) -> KVCache:

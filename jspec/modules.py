@@ -156,8 +156,11 @@ class Attention(nnx.Module):
     if fused:
       out = cpu_attention.attend(q, new_k, new_v, k_buf, v_buf, layer, starts)  # [B, T, N, H]
       return self.o(out.reshape(b, t, n * h)), new_k, new_v
-    k_buf = sharding.constrain_cache(cache_lib.write_layer(k_buf, layer, new_k, starts), placement)
-    v_buf = sharding.constrain_cache(cache_lib.write_layer(v_buf, layer, new_v, starts), placement)
+    sharded = placement is not None
+    k_buf = sharding.constrain_cache(
+        cache_lib.write_layer(k_buf, layer, new_k, starts, sharded=sharded), placement)
+    v_buf = sharding.constrain_cache(
+        cache_lib.write_layer(v_buf, layer, new_v, starts, sharded=sharded), placement)
     if fresh:
       # Slots 0..T-1 are the chunk, and past them nothing is visible: a
       # prefill would otherwise score every slot of the buffer for

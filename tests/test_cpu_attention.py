@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import chex
 import jax
@@ -12,6 +13,7 @@ import pytest
 
 import jspec
 import tiny
+from jspec import api
 from jspec import cache as cache_lib
 from jspec import cpu_attention
 from jspec import cpu_kernels
@@ -116,3 +118,26 @@ def test_the_layer_loop_attends_with_the_kernel_as_xla_does():
     more, cache = fwd(m.params, chunk, cache_lib.with_lengths(cache, jnp.array([9, 6])))
     results[fused] = (logits, more, cache.k, cache.v)
   chex.assert_trees_all_close(results[True], results[False], rtol=1e-4, atol=1e-4)
+
+
+def test_a_batched_decode_loop_writes_the_caches_in_place():
+  # Each step writes every row's new keys and values at the row's own slot.
+  # Done as a vmapped per-row update, XLA transposed the whole cache to rows
+  # first and back around that write, every step: copies that grow with the
+  # buffer and the batch. The compiled target-only loop (what a served batch
+  # runs) must hold no cache-sized copy.
+  if not cpu_kernels.available():
+    pytest.skip(f"kernel unavailable: {cpu_kernels.unavailable_reason()}")
+  bundle = tiny.packable_pair(kernels=True)
+  rows = [tiny.prompt(seed, 5 + seed, tiny.PACKABLE_VOCAB) for seed in range(4)]
+  for method in ("target",):
+    req = api.request(bundle, rows, jspec.Options(max_new_tokens=24, method=method))
+    state = req.prefill(*req.args)
+    caches = {tuple(sorted(leaf.shape)) for leaf in jax.tree.leaves(state) if leaf.ndim == 5}
+    assert caches, "no cache in the loop's state"
+    copies = []
+    for line in req.run.program().as_text().splitlines():
+      m = re.search(r"= \w+\[([\d,]+)\]\S* (copy|transpose)\(", line)
+      if m and tuple(sorted(int(d) for d in m.group(1).split(","))) in caches:
+        copies.append(line.strip()[:120])
+    assert not copies, f"{method}: the loop copies a cache: {copies[:3]}"

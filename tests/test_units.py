@@ -32,6 +32,21 @@ class CacheTest(chex.TestCase):
     chex.assert_trees_all_equal(rolled.k, k)  # rollback keeps the buffers: only lengths move
 
 
+  def test_the_one_scatter_writes_what_the_per_row_updates_write(self):
+    # One device writes with one scatter, a mesh row by row
+    # (`write_chunks(sharded=True)`): the same slots, layers and clamping at
+    # the buffer's end.
+    rng = np.random.default_rng(0)
+    for layers, rows, slots, t, first, chunk_layers in [(4, 3, 16, 2, 0, 4), (4, 5, 16, 3, 2, 1),
+                                                         (2, 1, 8, 8, 0, 2), (3, 4, 10, 4, 1, 2)]:
+      buf = jnp.asarray(rng.standard_normal((layers, rows, slots, 2, 4)), jnp.float32)
+      new = jnp.asarray(rng.standard_normal((chunk_layers, rows, t, 2, 4)), jnp.float32)
+      starts = jnp.asarray(rng.integers(0, slots + 3, rows), jnp.int32)  # some past the end
+      one = jax.jit(cache_lib.write_chunks, static_argnums=(3, 4))(buf, new, starts, first, False)
+      per_row = jax.jit(cache_lib.write_chunks, static_argnums=(3, 4))(buf, new, starts, first, True)
+      np.testing.assert_array_equal(np.asarray(one), np.asarray(per_row))
+
+
 class AcceptTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
