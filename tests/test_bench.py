@@ -288,7 +288,7 @@ def test_resume_refuses_a_file_whose_draft_storage_is_unresolved(tmp_path):
   assert resolved == jspec.bundle.draft_int4(jspec.Settings(), jspec.cpu_kernels.available())
   assert runner._draft_int4(False) is False  # pylint: disable=protected-access
   out = tmp_path / "old.json"
-  settings = {k: None for k in results.RESUME_KEYS}
+  settings = {**{k: None for k in results.RESUME_KEYS}, "prompts": ["quicksort"]}
   results.write(results.new(settings), out)
   with pytest.raises(ValueError, match="draft_int4"):
     results.resume(out, {**settings, "draft_int4": resolved})
