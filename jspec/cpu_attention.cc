@@ -20,6 +20,8 @@
 // tokens came in the same chunk or are already cached (a verify and the
 // decode steps it stands for agree exactly).
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -44,14 +46,31 @@ typedef float VecU __attribute__((vector_size(4 * kLanes), aligned(4)));  // una
 inline Vec Load(const float* p) { return *reinterpret_cast<const VecU*>(p); }
 inline void Store(float* p, Vec v) { *reinterpret_cast<VecU*>(p) = v; }
 
-// sum_h a[h] * b[h] for h in [0, size): lanes first, then their sum in lane
-// order, then the tail; the same order for every call of one size.
+// The lanes' sum as a tree (the upper half added to the lower until one lane
+// is left): a few vector adds where a lane-by-lane sum was a chain of kLanes
+// dependent scalar adds per score, which held long contexts' attention back.
+inline float SumLanes(Vec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#elif defined(__AVX__)
+  const __m256 w = reinterpret_cast<__m256>(v);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+#else
+  float sum = 0.0f;
+  for (int64_t i = 0; i < kLanes; ++i) sum += v[i];
+  return sum;
+#endif
+}
+
+// sum_h a[h] * b[h] for h in [0, size): lanes first, then their sum
+// (`SumLanes`), then the tail; the same order for every call of one size.
 inline float Dot(const float* a, const float* b, int64_t size) {
   Vec acc = Vec{};
   int64_t h = 0;
   for (; h + kLanes <= size; h += kLanes) acc += Load(a + h) * Load(b + h);
-  float sum = 0.0f;
-  for (int64_t i = 0; i < kLanes; ++i) sum += acc[i];
+  float sum = SumLanes(acc);
   for (; h < size; ++h) sum += a[h] * b[h];
   return sum;
 }
@@ -106,11 +125,33 @@ void AttendHead(const Shapes& s, int64_t row, int64_t kv_head, int64_t layer, in
       const float inv = 1.0f / total;
       for (int64_t j = 0; j < visible; ++j) row_scores[j] *= inv;
     }
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t j = 0; j < visible; ++j) {
-      const float* value = j < cached ? v_rows + j * kv_stride : v_chunk + (j - cached) * kv_stride;
-      for (int64_t g = 0; g < s.group; ++g) {
-        Axpy(scores[g * visible + j], value, acc.data() + g * s.h, s.h);
+    // acc[g, h] = sum_j p[g, j] v_j[h], each sum over j in slot order from
+    // zero, a block of h at a time with its partial sums in registers (one
+    // pass over j per block, not a load and a store of acc per slot).
+    auto value = [=](int64_t j) {
+      return j < cached ? v_rows + j * kv_stride : v_chunk + (j - cached) * kv_stride;
+    };
+    for (int64_t g = 0; g < s.group; ++g) {
+      const float* p = scores.data() + g * visible;
+      float* a = acc.data() + g * s.h;
+      int64_t h = 0;
+      for (; h + 4 * kLanes <= s.h; h += 4 * kLanes) {
+        Vec a0 = Vec{}, a1 = Vec{}, a2 = Vec{}, a3 = Vec{};
+        for (int64_t j = 0; j < visible; ++j) {
+          const float* v = value(j) + h;
+          a0 += p[j] * Load(v);
+          a1 += p[j] * Load(v + kLanes);
+          a2 += p[j] * Load(v + 2 * kLanes);
+          a3 += p[j] * Load(v + 3 * kLanes);
+        }
+        Store(a + h, a0);
+        Store(a + h + kLanes, a1);
+        Store(a + h + 2 * kLanes, a2);
+        Store(a + h + 3 * kLanes, a3);
+      }
+      if (h < s.h) {  // head sizes that are not a multiple of 4 kLanes: the rest in memory
+        std::fill(a + h, a + s.h, 0.0f);
+        for (int64_t j = 0; j < visible; ++j) Axpy(p[j], value(j) + h, a + h, s.h - h);
       }
     }
     std::copy(acc.begin(), acc.end(), out + ((row * s.t + t) * s.n + kv_head * s.group) * s.h);

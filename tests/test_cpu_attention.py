@@ -63,10 +63,12 @@ def _attend(q, k_new, v_new, k_buf, v_buf, layer, starts):
 
 
 @pytest.mark.parametrize("t", [1, 4])
-@pytest.mark.parametrize("n,k,h", [(6, 2, 16), (4, 4, 20), (3, 1, 8)])
+@pytest.mark.parametrize("n,k,h", [(6, 2, 16), (4, 4, 20), (3, 1, 8), (6, 2, 128), (2, 1, 80)])
 def test_attend_matches_the_written_cache_attention(t, n, k, h):
   # Groups of 3, 1 and 3 query heads per kv head; H = 20 leaves a tail past
-  # the vector lanes. Rows start at different slots, one at 0 (no cache).
+  # the vector lanes; H = 128 (the real target's) and 80 go through the
+  # weighted sum's blocks of four vectors, 80 with a tail after them. Rows
+  # start at different slots, one at 0 (no cache).
   q, k_new, v_new, k_buf, v_buf = _operands(t, n, k, h)
   starts = [7, 0]
   for layer in (0, 2):
@@ -75,10 +77,11 @@ def test_attend_matches_the_written_cache_attention(t, n, k, h):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_position_comes_out_bit_for_bit_the_same_whatever_chunk_it_is_in():
+@pytest.mark.parametrize("h", [16, 128])
+def test_a_position_comes_out_bit_for_bit_the_same_whatever_chunk_it_is_in(h):
   # A verify of T tokens and the T decode steps it stands for: once the
   # earlier tokens are in the cache, the same query gives the same bits.
-  n, k, h, t = 6, 2, 16, 4
+  n, k, t = 6, 2, 4
   q, k_new, v_new, k_buf, v_buf = _operands(t, n, k, h, seed=5)
   starts = np.array([9, 3])
   together = _attend(q, k_new, v_new, k_buf, v_buf, 1, starts)
