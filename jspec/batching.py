@@ -39,9 +39,9 @@ COUNTS = ("batches", "rows", "finished", "abandoned", "failed", "rejected")
 # up to this many share one program per prompt bucket and batch size.
 MIN_NEW_TOKENS = options_lib.Options().max_new_tokens
 # Larger batches decode with the target alone (`Scheduler`): on the 2-core CPU
-# a batch of 8 ran 3.5x faster target-only than speculating, and a single
-# request 1.14x faster speculating (docs/decisions.md, "Serving batches").
-SPECULATE_MAX_BATCH = 1
+# a batch of 2 decodes faster speculating, and batches of 4 and 8 faster
+# target-only (docs/decisions.md, "Serving batches").
+SPECULATE_MAX_BATCH = 2
 GATHER_WINDOWS = 10  # the oldest waiting request waits at most this many batch windows
 
 

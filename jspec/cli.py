@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence
 import jax
 
 from jspec import api
+from jspec import batching
 from jspec import bundle as bundle_lib
 from jspec import cpu_kernels
 from jspec import draft_vocab as draft_vocab_lib
@@ -200,9 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait; more get 429 (default: 64)")
   srv.add_argument("--max-batch", type=_number(int), default=16, metavar="N",
                    help="requests run together at most (default: 16)")
-  srv.add_argument("--speculate-max-batch", type=_number(int), default=1, metavar="N",
+  srv.add_argument("--speculate-max-batch", type=_number(int),
+                   default=batching.SPECULATE_MAX_BATCH, metavar="N",
                    help="batches of more requests decode with the target alone; the "
-                        "output is the same (default: 1)")
+                        f"output is the same (default: {batching.SPECULATE_MAX_BATCH})")
   srv.add_argument("--batch-window-ms", type=_number(float), default=5.0, metavar="MS",
                    help="how long a batch waits for one more request to join (default: 5)")
   srv.add_argument("--warmup", action="store_true",

@@ -358,7 +358,8 @@ def test_batches_past_speculate_max_batch_decode_with_the_target_alone(bundle):
   assert scheduler._method_for(1, opts) is opts and scheduler._method_for(2, opts) is opts
   alone = scheduler._method_for(3, opts)
   assert alone.method == "target" and alone.gammas() == (0, 0)
-  assert batching.Scheduler(bundle)._method_for(2, opts).method == "target"  # the default: 1
+  default = batching.Scheduler(bundle)  # 2: a batch of 2 speculates, of 3 not
+  assert default._method_for(2, opts) is opts and default._method_for(3, opts).method == "target"
   assert batching.Scheduler(bundle, speculate_max_batch=0)._method_for(1, opts).method == "target"
   with pytest.raises(ValueError, match="speculate_max_batch=-1"):
     batching.Scheduler(bundle, speculate_max_batch=-1)
