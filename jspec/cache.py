@@ -127,6 +127,40 @@ def write_chunks(buf: jax.Array, new: jax.Array, starts: jax.Array,
                          unique_indices=True, mode=jax.lax.GatherScatterMode.CLIP)
 
 
+def pad_chunks(chunks: tuple[jax.Array, jax.Array], width: int) -> tuple[jax.Array, jax.Array]:
+  """Zero-pads a forward's new keys and values to `width` positions.
+
+  Branches of a `lax.switch` that run forwards of different widths return
+  their chunks at one width, so that one write after the switch serves all
+  of them. The padding lands in slots past every row's new length.
+
+  Args:
+    chunks: (new_k, new_v), each [L, B, T, K, H] (`model.forward(write=False)`).
+    width: T' >= T.
+
+  Returns:
+    (new_k, new_v), each [L, B, T', K, H].
+  """
+  return tuple(jnp.pad(c, [(0, 0), (0, 0), (0, width - c.shape[2]), (0, 0), (0, 0)])
+               for c in chunks)
+
+
+def put(cache: KVCache, chunks: tuple[jax.Array, jax.Array], starts: jax.Array) -> KVCache:
+  """Writes a forward's new keys and values into both buffers at each row's offset.
+
+  Args:
+    cache: the cache (its lengths are kept).
+    chunks: (new_k, new_v), each [L, B, T, K, H].
+    starts: [B] int32 first slot to write in each row.
+
+  Returns:
+    The cache with the chunks written.
+  """
+  new_k, new_v = chunks
+  return cache.replace(k=write_chunks(cache.k, new_k, starts),
+                       v=write_chunks(cache.v, new_v, starts))
+
+
 def with_lengths(cache: KVCache, lengths: jax.Array) -> KVCache:
   """Rolls a cache back (or forward) to the given per-row lengths.
 

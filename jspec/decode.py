@@ -279,24 +279,34 @@ def verify(params, spec: Spec, chunk: jax.Array, tcache: cache_lib.KVCache,
   widths = verify_widths(spec)
   full = chunk.shape[1]
 
-  def verdict(tokens, tcache):
-    logits, tcache = _target_forward(params, spec, tokens, tcache)
+  def verdict(tokens, tcache, **kwargs):
+    logits, *rest = _target_forward(params, spec, tokens, tcache, **kwargs)
     if spec.sampling.greedy:
-      return sampling.argmax(logits, spec.sampling), tcache  # [B, T]
-    return logits, tcache  # [B, T, V]
+      logits = sampling.argmax(logits, spec.sampling)  # [B, T]
+    return (logits, *rest)  # logits [B, T] or [B, T, V]
 
   if len(widths) == 1:
     return verdict(chunk, tcache)
 
+  # Each branch returns its keys and values padded to the full width, and
+  # they are written once, after the switch: a cache written inside the
+  # branches is copied into and out of the switch every round.
   def branch(w: int):
     def fn(chunk, tcache):
-      out, tcache = verdict(chunk[:, :w], tcache)
+      out, tcache, chunks = verdict(chunk[:, :w], tcache, write=False)
       pad = [(0, 0), (0, full - w)] + [(0, 0)] * (out.ndim - 2)
-      return jnp.pad(out, pad, mode="edge"), tcache
+      out = jnp.pad(out, pad, mode="edge")
+      if chunks is None:  # unrolled layers wrote the caches themselves
+        return out, tcache
+      return out, cache_lib.pad_chunks(chunks, full)
     return fn
 
-  return jax.lax.switch(_width_index(widths, counted), [branch(w) for w in widths],
-                        chunk, tcache)
+  out, written = jax.lax.switch(_width_index(widths, counted), [branch(w) for w in widths],
+                                chunk, tcache)
+  if isinstance(written, cache_lib.KVCache):
+    return out, written
+  return out, cache_lib.with_lengths(cache_lib.put(tcache, written, tcache.lengths),
+                                     tcache.lengths + full)
 
 
 def _target_forward(params, spec: Spec, tokens: jax.Array, tcache: cache_lib.KVCache,

@@ -265,7 +265,7 @@ def params_from_tensors(cfg: config_lib.Qwen2Config, tensors: dict[str, Any]) ->
 
 def forward(arch: Arch, params: Params, tokens: jax.Array, cache: cache_lib.KVCache,
             logits_at: Optional[jax.Array] = None, *, fresh: bool = False, greedy: bool = False,
-            vocab_limit: Optional[int] = None):
+            vocab_limit: Optional[int] = None, write: bool = True):
   """Pure functional forward pass: merges `params` into the modules and runs them.
 
   Args:
@@ -285,12 +285,21 @@ def forward(arch: Arch, params: Params, tokens: jax.Array, cache: cache_lib.KVCa
       only where they could be the argmax and -inf elsewhere: the same
       argmax from a fraction of the head's bytes.
     vocab_limit: static; with greedy, ids at or past it are never chosen.
+    write: static; False leaves the chunk's keys and values out of the
+      caches where the layers run as one loop, for the caller to write
+      (`cache_lib.write_chunks`). A caller that picks one of several
+      forwards with `lax.switch` then writes once, after the switch: a cache
+      written inside a branch is copied into and out of it.
 
   Returns:
-    ([B, T', V] float32 logits, cache with lengths advanced by T).
+    ([B, T', V] float32 logits, cache with lengths advanced by T); with
+    write=False, (logits, cache, chunks): chunks is (new_k, new_v), each
+    [L, B, T, K, H], with the cache's buffers left as they were, or None
+    where the layers wrote the buffers themselves (unrolled layers).
   """
-  return merge(arch.cfg, params)(tokens, cache, logits_at, backend=arch.backend, fresh=fresh, greedy=greedy,
-                vocab_limit=vocab_limit, placement=arch.placement)
+  return merge(arch.cfg, params)(tokens, cache, logits_at, backend=arch.backend, fresh=fresh,
+                                 greedy=greedy, vocab_limit=vocab_limit,
+                                 placement=arch.placement, write=write)
 
 
 def init_params(cfg: config_lib.Qwen2Config, key: jax.Array, dtype=jnp.float32,

@@ -264,14 +264,21 @@ class Qwen2(nnx.Module):
   def __call__(self, tokens, cache: cache_lib.KVCache, logits_at: Optional[jax.Array] = None, *,
                backend: model.Backend = model.Backend(), fresh: bool = False, greedy: bool = False,
                vocab_limit: Optional[int] = None,
-               placement: Optional[sharding.Placement] = None):
+               placement: Optional[sharding.Placement] = None, write: bool = True):
     """Runs T new tokens per row after each row's cached prefix (see `forward`)."""
     t = tokens.shape[1]
     starts = cache.lengths
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
     x = _residual(self.embed(tokens), placement)  # [B, T, D]
+    chunks = None
     if scannable(self, backend):
-      x, k_buf, v_buf = self._scan_layers(x, positions, cache.k, cache.v, starts, backend, fresh)
+      x, new_k, new_v = self._scan_layers(x, positions, cache.k, cache.v, starts, backend, fresh)
+      k_buf, v_buf = cache.k, cache.v
+      if write:
+        k_buf = cache_lib.write_chunks(k_buf, new_k, starts)
+        v_buf = cache_lib.write_chunks(v_buf, new_v, starts)
+      else:
+        chunks = (new_k, new_v)
     else:
       k_buf, v_buf = cache.k, cache.v
       for i, block in enumerate(self.layers):
@@ -291,7 +298,10 @@ class Qwen2(nnx.Module):
                                   vocab_limit).reshape(b, t_out, -1)
     else:
       logits = weights.dot(x, head, out_dtype=jnp.float32).astype(jnp.float32)
-    return logits, cache.replace(k=k_buf, v=v_buf, lengths=starts + t)
+    cache = cache.replace(k=k_buf, v=v_buf, lengths=starts + t)
+    if write:
+      return logits, cache
+    return logits, cache, chunks
 
   def _scan_layers(self, x, positions, k_buf, v_buf, starts, backend: model.Backend, fresh: bool):
     """The decoder layers as one `lax.scan`: each forward compiles one layer, not L.
@@ -300,9 +310,9 @@ class Qwen2(nnx.Module):
     (`weights.pick`). The caches are only read in the loop: each step
     attends over its own layer's slots, in place with jspec's CPU attention
     kernel, else over a copy of its layer's slice with the new chunk
-    written in; the chunks of every layer go into the caches once, after
-    the loop (carried through the loop and written each step, they made
-    decode slower, as a copy of the caches per layer would).
+    written in. The loop returns every layer's chunk, for the caller to
+    write into the caches once (carried through the loop and written each
+    step, they made decode slower, as a copy of the caches per layer would).
 
     Args:
       x: [B, T, D] embedded tokens.
@@ -313,7 +323,8 @@ class Qwen2(nnx.Module):
       fresh: every row's cache is empty (`Attention`).
 
     Returns:
-      (x [B, T, D] after the last layer, k_buf, v_buf with the chunk written).
+      (x [B, T, D] after the last layer, new_k, new_v [L, B, T, K, H] every
+      layer's keys and values of the chunk, not yet in the caches).
     """
     graph = nnx.graphdef(self.layers[0])
     states = [nnx.to_pure_dict(nnx.state(block)) for block in self.layers]  # no int keys inside
@@ -336,9 +347,7 @@ class Qwen2(nnx.Module):
       return x, (chunk(k_layer), chunk(v_layer))
 
     x, (new_k, new_v) = jax.lax.scan(body, x, jnp.arange(len(states), dtype=jnp.int32))
-    # new_k, new_v: [L, B, T, K, H]
-    return x, cache_lib.write_chunks(k_buf, new_k, starts), cache_lib.write_chunks(v_buf, new_v,
-                                                                                   starts)
+    return x, new_k, new_v  # x [B, T, D]; new_k, new_v [L, B, T, K, H]
 
 
 class LowRankLinear(Linear):

@@ -17,6 +17,7 @@ from jspec import api
 from jspec import cache as cache_lib
 from jspec import cpu_attention
 from jspec import cpu_kernels
+from jspec import decode
 from jspec import bundle as bundle_lib
 from jspec import model
 
@@ -123,17 +124,8 @@ def test_the_layer_loop_attends_with_the_kernel_as_xla_does():
   chex.assert_trees_all_close(results[True], results[False], rtol=1e-4, atol=1e-4)
 
 
-def test_a_batched_decode_loop_writes_the_caches_in_place():
-  # Each step writes every row's new keys and values at the row's own slot.
-  # Done as a vmapped per-row update, XLA transposed the whole cache to rows
-  # first and back around that write, every step: copies that grow with the
-  # buffer and the batch. The compiled target-only loop (what a served batch
-  # runs) must hold no cache-sized copy.
-  if not cpu_kernels.available():
-    pytest.skip(f"kernel unavailable: {cpu_kernels.unavailable_reason()}")
-  bundle = tiny.packable_pair(kernels=True)
-  rows = [tiny.prompt(seed, 5 + seed, tiny.PACKABLE_VOCAB) for seed in range(4)]
-  req = api.request(bundle, rows, jspec.Options(max_new_tokens=24, method="target"))
+def _cache_copies(req: api.Request) -> list[str]:
+  """The compiled loop's copies and transposes whose shape is one of its caches'."""
   state = req.prefill(*req.args)
   caches = {tuple(sorted(leaf.shape)) for leaf in jax.tree.leaves(state) if leaf.ndim == 5}
   assert caches, "no cache in the loop's state"
@@ -142,4 +134,39 @@ def test_a_batched_decode_loop_writes_the_caches_in_place():
     m = re.search(r"= \w+\[([\d,]+)\]\S* (copy|transpose)\(", line)
     if m and tuple(sorted(int(d) for d in m.group(1).split(","))) in caches:
       copies.append(line.strip()[:120])
+  return copies
+
+
+def test_a_batched_decode_loop_writes_the_caches_in_place():
+  # Each step writes every row's new keys and values at the row's own slot.
+  # Done as a vmapped per-row update, XLA transposed the whole cache to rows
+  # first and back around that write, every step: copies that grow with the
+  # buffer and the batch. The compiled target-only loop (what a served batch
+  # runs) must hold no cache-sized copy.
+  bundle = tiny.packable_pair(kernels=True)
+  rows = [tiny.prompt(seed, 5 + seed, tiny.PACKABLE_VOCAB) for seed in range(4)]
+  req = api.request(bundle, rows, jspec.Options(max_new_tokens=24, method="target"))
+  copies = _cache_copies(req)
+  assert not copies, f"the loop copies a cache: {copies[:3]}"
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_speculative_loop_writes_the_caches_outside_its_switches(rows):
+  # The verify picks its width, and the draft's catch-up its chunk, with a
+  # `lax.switch`. A cache written inside the branches is copied into and out
+  # of the switch every round; the branches return their keys and values
+  # and one write follows the switch. Both models here run their layers as
+  # one loop, as the real pair does: the draft's k and v projections fill a
+  # panel, and it has two layers (a one-layer loop is inlined, and XLA then
+  # copies the cache around the draft's steps, which no real draft has).
+  draft_cfg = dataclasses.replace(tiny.PACKABLE_DRAFT, num_kv_heads=2, num_layers=2)
+  kt, kd = jax.random.split(jax.random.key(0))
+  bundle = bundle_lib.make(
+      (tiny.PACKABLE_TARGET, model.init_params(tiny.PACKABLE_TARGET, kt, scale=0.3)),
+      (draft_cfg, model.init_params(draft_cfg, kd, scale=0.3)),
+      settings=jspec.Settings(kernels=True))
+  prompts = [tiny.prompt(seed, 5 + seed, tiny.PACKABLE_VOCAB) for seed in range(rows)]
+  req = api.request(bundle, prompts, jspec.Options(max_new_tokens=24))
+  assert req.spec.method == "model" and len(decode.verify_widths(req.spec)) > 1
+  copies = _cache_copies(req)
   assert not copies, f"the loop copies a cache: {copies[:3]}"
