@@ -753,6 +753,7 @@ def test_build_ab_pairs_each_run_with_the_first_builds_and_checks_ids():
   assert got["ratio_range"] == [[0.5, 1.5]]
   assert got["ratio_to_first"] == [pytest.approx(1.05)]
   assert got["median_tok_s"] == [pytest.approx(16.0), pytest.approx(11.5)]
+  assert got["ratio_by_prompt"] == [{"a": pytest.approx(1.05), "b": pytest.approx(1.0)}]
   assert got["ids_equal"] is True
   runs[1][1]["target"]["a"]["ids"] = [6]
   assert build_ab.summarize(["", "-DX"], ["a", "b"], ["target"], runs)["methods"]["target"][
@@ -763,6 +764,9 @@ def test_build_ab_pairs_each_run_with_the_first_builds_and_checks_ids():
     (["--flags=", "--flags=-DX", "--prompts", "nope"], "--prompts: unknown prompt(s) nope"),
     (["--flags=", "--flags=-DX", "--methods", "fast"], "--methods: fast; expected some of"),
     (["--flags="], "--flags: give at least two builds"),
+    ([], "give the builds as --flags (twice or more) or as --checkouts"),
+    (["--checkouts", "/nonexistent,."], "--checkouts: /nonexistent holds no jspec/__init__.py"),
+    (["--checkouts", ".", "--long-tokens", "-1"], "--long-tokens: -1; expected 0 or more"),
 ])
 def test_build_ab_refuses_bad_arguments_before_any_build(argv, message, capsys):
   from bench.tools import build_ab

@@ -1,8 +1,17 @@
-"""Two builds of jspec's CPU kernels in the real model: decode tok/s, process by process.
+"""Two builds of jspec in the real model: decode tok/s, process by process.
 
     python -m bench.tools.build_ab --flags= --flags=-DJSPEC_BLK_ROW_PANELS=1
-        [--prompts quicksort,lru_cache_class,sql_report] [--rounds 3]
-        [--max-new-tokens 128] [--methods target,model] [--out FILE]
+        [--prompts quicksort,lru_cache_class,sql_report] [--long-tokens N]
+        [--rounds 3] [--max-new-tokens 128] [--methods target,model] [--out FILE]
+    python -m bench.tools.build_ab --checkouts /tmp/wt_old,. [...]
+
+A build is a set of compiler flags for jspec's CPU kernels (`--flags`, one
+per build), or a checkout of jspec (`--checkouts`, comma-separated paths,
+for example a `git worktree add /tmp/wt_old COMMIT` beside this one): each
+child process then imports jspec and the bench's prompts from its checkout,
+and its programs are its own (the program store keys on jspec's source).
+`--long-tokens N` adds a prompt of the first N tokens of this checkout's
+`docs/decisions.md`, for costs that grow with the context.
 
 A kernel change that is faster one call at a time can be slower in the
 model, where the calls sit among the rest of a forward (a weight prefetch
@@ -38,13 +47,25 @@ from bench import results
 from jspec import options as options_lib
 
 
-def _child(prompt_names: list[str], methods: list[str], max_new_tokens: int) -> dict:
+LONG_TEXT = pathlib.Path(__file__).resolve().parents[2] / "docs" / "decisions.md"
+
+
+def long_name(tokens: int) -> str:
+  """The name of the `--long-tokens` prompt."""
+  return f"long{tokens}"
+
+
+def _child(prompt_names: list[str], methods: list[str], max_new_tokens: int,
+           long_tokens: int = 0, long_text: str = "") -> dict:
   """One build's figures: {method: {prompt: {"tok_s": best decode tok/s, "ids": [...]}}}."""
   bundle = jspec.load(progress=False)
   by_name = {p.name: p for p in prompts_lib.SUITE}
   out: dict = {method: {} for method in methods}
   for name in prompt_names:
-    ids = prompts_lib.encode(by_name[name], bundle.tokenizer)
+    if long_tokens and name == long_name(long_tokens):
+      ids = list(bundle.tokenizer.encode(long_text))[:long_tokens]
+    else:
+      ids = prompts_lib.encode(by_name[name], bundle.tokenizer)
     for method in methods:
       kwargs = {"max_new_tokens": max_new_tokens, "method": method, "stop_at_eos": False}
       jspec.generate(bundle, ids, **kwargs)  # compile
@@ -54,33 +75,39 @@ def _child(prompt_names: list[str], methods: list[str], max_new_tokens: int) -> 
   return out
 
 
-def summarize(flags: list[str], prompt_names: list[str], methods: list[str],
+def summarize(builds: list[str], prompt_names: list[str], methods: list[str],
               runs: list[list[dict]]) -> dict:
   """Each method's medians, paired ratios and id check over every build's runs.
 
   Args:
-    flags: each build's flags.
+    builds: each build's flags or checkout.
     prompt_names: the prompts every run timed.
     methods: the methods every run timed.
     runs: runs[b] is build b's `_child` results, one per round, rounds in order.
 
   Returns:
-    {"flags", "prompts", "methods": {method: {"median_tok_s": per build,
+    {"builds", "prompts", "methods": {method: {"median_tok_s": per build,
     "ratio_to_first" and "ratio_range": per build after the first, the
     median and range of its (round, prompt) ratios to the first build's,
-    "ids_equal": whether every run's ids equal the first's}}}.
+    "ratio_by_prompt": per build after the first, {prompt: the median of
+    its rounds' ratios}, "ids_equal": whether every run's ids equal the
+    first's}}}.
   """
-  summary: dict = {"flags": flags, "prompts": prompt_names, "methods": {}}
+  summary: dict = {"builds": builds, "prompts": prompt_names, "methods": {}}
   for m in methods:
     per_build = [[run[m][p]["tok_s"] for run in runs[b] for p in prompt_names]
-                 for b in range(len(flags))]
-    ratios = [[x / y for x, y in zip(per_build[b], per_build[0])] for b in range(1, len(flags))]
+                 for b in range(len(builds))]
+    ratios = [[x / y for x, y in zip(per_build[b], per_build[0])] for b in range(1, len(builds))]
+    by_prompt = [{p: statistics.median(run[m][p]["tok_s"] / first[m][p]["tok_s"]
+                                       for run, first in zip(runs[b], runs[0]))
+                  for p in prompt_names} for b in range(1, len(builds))]
     same_ids = all(run[m][p]["ids"] == runs[0][0][m][p]["ids"]
-                   for b in range(len(flags)) for run in runs[b] for p in prompt_names)
+                   for b in range(len(builds)) for run in runs[b] for p in prompt_names)
     summary["methods"][m] = {
         "median_tok_s": [statistics.median(v) for v in per_build],
         "ratio_to_first": [statistics.median(v) for v in ratios],
         "ratio_range": [[min(v), max(v)] for v in ratios],
+        "ratio_by_prompt": by_prompt,
         "ids_equal": same_ids,
     }
   return summary
@@ -97,9 +124,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   """
   parser = argparse.ArgumentParser(prog="python -m bench.tools.build_ab", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--flags", action="append", required=True,
+  parser.add_argument("--flags", action="append", default=None,
                       help="extra compiler flags of one build, as --flags=FLAGS (twice or more)")
+  parser.add_argument("--checkouts", default=None,
+                      help="comma-separated paths of jspec checkouts, one build each")
   parser.add_argument("--prompts", default="quicksort,lru_cache_class,sql_report")
+  parser.add_argument("--long-tokens", type=int, default=0,
+                      help="add a prompt of this many tokens of docs/decisions.md (0: none)")
   parser.add_argument("--methods", default="target,model")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -117,34 +148,64 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if bad or not methods:
     parser.error(f"--methods: {', '.join(bad) or 'none given'}; expected some of "
                  f"{', '.join(options_lib.METHODS)}")
-  if len(args.flags) < 2:
-    parser.error("--flags: give at least two builds to compare")
+  if args.long_tokens < 0:
+    parser.error(f"--long-tokens: {args.long_tokens}; expected 0 or more tokens")
   if args.child:
-    result = _child(prompt_names, methods, args.max_new_tokens)
+    text = LONG_TEXT.read_text(encoding="utf-8") if args.long_tokens else ""
+    names = [n for n in prompt_names if n != long_name(args.long_tokens)]
+    if args.long_tokens:
+      names.append(long_name(args.long_tokens))
+    result = _child(names, methods, args.max_new_tokens, args.long_tokens, text)
     with open(args.child, "w", encoding="utf-8") as f:
       json.dump(result, f)
     return 0
+  if (args.flags is None) == (args.checkouts is None):
+    parser.error("give the builds as --flags (twice or more) or as --checkouts, not both")
+  if args.checkouts is not None:
+    builds = [c for c in args.checkouts.split(",") if c]
+    missing = [c for c in builds if not (pathlib.Path(c) / "jspec" / "__init__.py").is_file()]
+    if missing:
+      parser.error(f"--checkouts: {missing[0]} holds no jspec/__init__.py; expected a jspec "
+                   "checkout")
+    if len(builds) < 2:
+      parser.error("--checkouts: give at least two checkouts to compare")
+  else:
+    builds = args.flags
+    if len(builds) < 2:
+      parser.error("--flags: give at least two builds to compare")
+  if args.long_tokens:
+    prompt_names.append(long_name(args.long_tokens))
 
   compiler = os.environ.get("CXX", "c++")
-  runs: list[list[dict]] = [[] for _ in args.flags]
+  runs: list[list[dict]] = [[] for _ in builds]
   with tempfile.TemporaryDirectory() as tmp:
     for r in range(args.rounds):
-      order = [(r + i) % len(args.flags) for i in range(len(args.flags))]
+      order = [(r + i) % len(builds) for i in range(len(builds))]
       for b in order:
         path = os.path.join(tmp, f"{r}_{b}.json")
-        env = dict(os.environ, CXX=f"{compiler} {args.flags[b]}".strip())
-        command = [sys.executable, "-m", "bench.tools.build_ab", "--child", path,
-                   "--prompts", args.prompts, "--methods", args.methods,
-                   "--max-new-tokens", str(args.max_new_tokens)]
-        command += [f"--flags={f}" for f in args.flags]
-        subprocess.run(command, env=env, check=True)
+        common = ["--child", path, "--prompts", args.prompts, "--methods", args.methods,
+                  "--max-new-tokens", str(args.max_new_tokens),
+                  "--long-tokens", str(args.long_tokens)]
+        if args.checkouts is not None:
+          # This file, run against the checkout's jspec and bench: both are
+          # found on PYTHONPATH, the checkout's own directory first.
+          root = str(pathlib.Path(builds[b]).resolve())
+          env = dict(os.environ, PYTHONPATH=root)
+          command = [sys.executable, str(pathlib.Path(__file__).resolve()), *common,
+                     "--checkouts", args.checkouts]
+          subprocess.run(command, env=env, cwd=root, check=True)
+        else:
+          env = dict(os.environ, CXX=f"{compiler} {builds[b]}".strip())
+          command = [sys.executable, "-m", "bench.tools.build_ab", *common]
+          command += [f"--flags={f}" for f in builds]
+          subprocess.run(command, env=env, check=True)
         with open(path, encoding="utf-8") as f:
           runs[b].append(json.load(f))
         print(f"round {r + 1}, build {b}: " + ", ".join(
             f"{m} {statistics.median(v['tok_s'] for v in runs[b][-1][m].values()):.2f}"
             for m in methods), file=sys.stderr, flush=True)
 
-  summary = summarize(args.flags, prompt_names, methods, runs)
+  summary = summarize(builds, prompt_names, methods, runs)
   summary.update(rounds=args.rounds, max_new_tokens=args.max_new_tokens)
   print(json.dumps(summary, indent=1))
   if args.out:
