@@ -70,24 +70,20 @@ LAYER_TARGETS = {t: t + "_layer" for t in (TARGET, TARGET_INT8, TARGET_S8, TARGE
                                            TARGET_BF16, TARGET_INT4)}
 TARGET_ATTEND = "jspec_attend_f32"  # decode attention over the cache (`jspec.cpu_attention`)
 TARGET_F32S8 = "jspec_gemm_f32s8"  # f32 x s8 -> f32, the greedy head's estimate (`jspec.greedy_head`)
-TARGET_ARGMAX = "jspec_argmax_f32"  # each row's greedy token (`jspec.cpu_argmax`)
 TARGETS = (TARGET, TARGET_INT8, TARGET_S8, *LAYER_TARGETS.values(), TARGET_ATTEND, TARGET_F32S8,
-           TARGET_ARGMAX,
            TARGET_BLK, TARGET_BLK_SYM, TARGET_BLK4, TARGET_BLK4_SYM, TARGET_BF16, TARGET_BLK_MANY,
            TARGET_BLK_FORMS, TARGET_INT8_MANY, TARGET_S8_MANY, TARGET_INT4, TARGET_INT4_MANY)
 SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
 # The attention and 4-bit draft kernels, built into the same library; the sources include the
 # thread and FFI helpers of HEADERS.
 OTHER_SOURCES = (pathlib.Path(__file__).with_name("cpu_attention.cc"),
-                 pathlib.Path(__file__).with_name("cpu_int4.cc"),
-                 pathlib.Path(__file__).with_name("cpu_argmax.cc"))
+                 pathlib.Path(__file__).with_name("cpu_int4.cc"))
 HEADERS = (pathlib.Path(__file__).with_name("cpu_threads.h"),
            pathlib.Path(__file__).with_name("cpu_ffi.h"))
 _SYMBOLS = {TARGET: "JspecGemmF32", TARGET_INT8: "JspecGemmI8", TARGET_S8: "JspecGemmS8",
             LAYER_TARGETS[TARGET]: "JspecGemmF32Layer", LAYER_TARGETS[TARGET_INT8]: "JspecGemmI8Layer",
             LAYER_TARGETS[TARGET_S8]: "JspecGemmS8Layer", TARGET_ATTEND: "JspecAttendF32",
-            TARGET_F32S8: "JspecGemmF32S8", TARGET_ARGMAX: "JspecArgmaxF32",
-            TARGET_BLK: "JspecGemmBlk",
+            TARGET_F32S8: "JspecGemmF32S8", TARGET_BLK: "JspecGemmBlk",
             TARGET_BLK_SYM: "JspecGemmBlkSym", LAYER_TARGETS[TARGET_BLK]: "JspecGemmBlkLayer",
             LAYER_TARGETS[TARGET_BLK_SYM]: "JspecGemmBlkSymLayer", TARGET_BLK4: "JspecGemmBlk4",
             TARGET_BLK4_SYM: "JspecGemmBlk4Sym", LAYER_TARGETS[TARGET_BLK4]: "JspecGemmBlk4Layer",

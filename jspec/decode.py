@@ -282,7 +282,7 @@ def verify(params, spec: Spec, chunk: jax.Array, tcache: cache_lib.KVCache,
   def verdict(tokens, tcache, **kwargs):
     logits, *rest = _target_forward(params, spec, tokens, tcache, **kwargs)
     if spec.sampling.greedy:
-      logits = sampling.argmax(logits, spec.sampling, spec.target.backend.kernels)  # [B, T]
+      logits = sampling.argmax(logits, spec.sampling)  # [B, T]
     return (logits, *rest)  # logits [B, T] or [B, T, V]
 
   if len(widths) == 1:

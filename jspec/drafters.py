@@ -35,32 +35,6 @@ def _draft_probs(logits: jax.Array, s: sampling.Sampling | sampling.Traced, voca
   return sampling.probs(logits, s)[..., :vocab]
 
 
-def _propose(logits: jax.Array, key: jax.Array, s: sampling.Sampling | sampling.Traced,
-             vocab: int, kernels: bool) -> tuple[jax.Array, jax.Array]:
-  """The draft's proposal and the distribution it came from, from draft logits [B, V'].
-
-  Greedy, the proposal is the argmax, taken once from the logits (`q`'s
-  one-hot is not searched again for it).
-
-  Args:
-    logits: [B, V'] draft logits.
-    key: PRNG key (sampling only).
-    s: sampling settings.
-    vocab: the target's vocabulary size.
-    kernels: static; the draft runs jspec's CPU kernels (`sampling.argmax`).
-
-  Returns:
-    (d [B] int32, q [B, vocab] float32), as `sampling.sample` of `_draft_probs`.
-  """
-  if not s.greedy:
-    q = _draft_probs(logits, s, vocab)
-    return sampling.sample(key, q, s), q
-  best = sampling.argmax(logits, s, kernels)  # [B]
-  # An id past the target's vocabulary has q = 0 everywhere, and the
-  # sample of an all-zero row is id 0: as before the cut.
-  return jnp.where(best < vocab, best, 0), jax.nn.one_hot(best, vocab, dtype=jnp.float32)
-
-
 def _top_prob(logits: jax.Array, q: jax.Array, s: sampling.Sampling | sampling.Traced) -> jax.Array:
   """The draft's confidence in its proposal: its most likely token's probability.
 
@@ -219,8 +193,8 @@ def draft_model(arch: model.Arch, params, dcache: cache_lib.KVCache, tokens: jax
   if draft_len is None:
     draft_len = seq_len - 2
   logits0, dcache = catch_up(arch, params, dcache, tokens, seq_len, draft_len, widths)
-  kernels = arch.backend.kernels
-  d0, q0 = _propose(logits0, jax.random.fold_in(key, 0), s, vocab, kernels)  # [B], [B, V]
+  q0 = _draft_probs(logits0, s, vocab)  # [B, V]
+  d0 = sampling.sample(jax.random.fold_in(key, 0), q0, s)  # [B]
   drafts = jnp.zeros((b, gamma_max), jnp.int32).at[:, 0].set(d0)
   q = jnp.zeros((b, gamma_max, vocab), jnp.float32).at[:, 0].set(q0)
   # A row keeps drafting while it wants more and stays confident.
@@ -235,7 +209,8 @@ def draft_model(arch: model.Arch, params, dcache: cache_lib.KVCache, tokens: jax
     i, dcache, drafts, q, gamma_eff, going = carry
     prev = jax.lax.dynamic_slice_in_dim(drafts, i - 1, 1, axis=1)  # [B, 1] d_i
     logits, dcache = model.forward(arch, params, prev, dcache)
-    di, qi = _propose(logits[:, 0], jax.random.fold_in(key, i), s, vocab, kernels)  # [B], [B, V]
+    qi = _draft_probs(logits[:, 0], s, vocab)  # [B, V]
+    di = sampling.sample(jax.random.fold_in(key, i), qi, s)
     drafts = jax.lax.dynamic_update_slice_in_dim(drafts, di[:, None], i, axis=1)
     q = jax.lax.dynamic_update_slice_in_dim(q, qi[:, None], i, axis=1)
     take = going & (_top_prob(logits[:, 0], qi, s) >= min_confidence)

@@ -15,8 +15,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jspec import cpu_argmax
-
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
@@ -112,20 +110,16 @@ def _limit(logits: jax.Array, s: Sampling | Traced) -> jax.Array:
   return logits
 
 
-def argmax(logits: jax.Array, s: Sampling | Traced, kernels: bool = False) -> jax.Array:
+def argmax(logits: jax.Array, s: Sampling | Traced) -> jax.Array:
   """The greedy token: the most likely id below `vocab_limit`.
 
   Args:
     logits: [..., V] logits.
     s: sampling settings (only vocab_limit is read).
-    kernels: static; the model runs jspec's CPU kernels, so the argmax may
-      too (`jspec.cpu_argmax`: the same ids, faster than XLA's reduction).
 
   Returns:
     [...] int32 token ids, the point masses of `probs` when greedy.
   """
-  if cpu_argmax.usable(logits, kernels):
-    return cpu_argmax.argmax(logits, s.vocab_limit)
   return jnp.argmax(_limit(logits, s), axis=-1).astype(jnp.int32)
 
 
