@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -82,6 +83,32 @@ inline void Axpy(float p, const float* v, float* out, int64_t size) {
   for (; h < size; ++h) out[h] += p * v[h];
 }
 
+typedef int32_t IVec __attribute__((vector_size(4 * kLanes)));
+
+// exp(x) for x <= 0, each lane alone (Cephes' expf polynomial on x - n ln 2,
+// scaled by 2^n through the exponent bits; a few ulp from std::exp, and 0
+// below -87): the softmax's exponentials a vector at a time, where std::exp
+// was a library call per score that held long contexts back.
+inline Vec ExpNonPositive(Vec x) {
+  const Vec lowest = -87.0f - Vec{};
+  const Vec zero = Vec{};
+  const Vec under = x < lowest ? zero - 1.0f : zero;  // lanes whose exp is 0 (as a mask of -1s)
+  x = x < lowest ? lowest : x;
+  const Vec magic = 12582912.0f - Vec{};  // 1.5 * 2^23: adding it rounds to an integer
+  const Vec n = (x * 1.44269504088896341f + magic) - magic;
+  const Vec r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  Vec p = 1.9875691500e-4f - Vec{};
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const IVec bits = (__builtin_convertvector(n, IVec) + 127) << 23;
+  const Vec scale = reinterpret_cast<const Vec&>(bits);
+  return under != zero ? zero : p * scale;
+}
+
 template <typename A, typename B>
 bool Same(const A& a, const B& b) {
   return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
@@ -117,11 +144,24 @@ void AttendHead(const Shapes& s, int64_t row, int64_t kv_head, int64_t layer, in
     for (int64_t g = 0; g < s.group; ++g) {
       float* row_scores = scores.data() + g * visible;
       const float top = *std::max_element(row_scores, row_scores + visible);
-      float total = 0.0f;
-      for (int64_t j = 0; j < visible; ++j) {
-        row_scores[j] = std::exp(row_scores[j] - top);
-        total += row_scores[j];
+      // Lanes of kLanes scores, the last padded with -inf (exp 0): the
+      // same sums for a query whatever else shares the call.
+      Vec lanes = Vec{};
+      int64_t j = 0;
+      for (; j + kLanes <= visible; j += kLanes) {
+        const Vec e = ExpNonPositive(Load(row_scores + j) - top);
+        Store(row_scores + j, e);
+        lanes += e;
       }
+      if (j < visible) {
+        float tail[kLanes];
+        std::fill(tail, tail + kLanes, -std::numeric_limits<float>::infinity());
+        std::copy(row_scores + j, row_scores + visible, tail);
+        const Vec e = ExpNonPositive(Load(tail) - top);
+        for (int64_t i = 0; j + i < visible; ++i) row_scores[j + i] = e[i];
+        lanes += e;
+      }
+      const float total = SumLanes(lanes);
       const float inv = 1.0f / total;
       for (int64_t j = 0; j < visible; ++j) row_scores[j] *= inv;
     }
