@@ -127,36 +127,45 @@ def write_chunks(buf: jax.Array, new: jax.Array, starts: jax.Array,
                          unique_indices=True, mode=jax.lax.GatherScatterMode.CLIP)
 
 
-def pad_chunks(chunks: tuple[jax.Array, jax.Array], width: int) -> tuple[jax.Array, jax.Array]:
-  """Zero-pads a forward's new keys and values to `width` positions.
+def branch_result(cache: KVCache, chunks: Optional[tuple[jax.Array, jax.Array]],
+                  width: int):
+  """What a `lax.switch` branch running a forward returns for the cache.
 
-  Branches of a `lax.switch` that run forwards of different widths return
-  their chunks at one width, so that one write after the switch serves all
-  of them. The padding lands in slots past every row's new length.
+  A cache written inside the branches is copied into and out of the
+  switch on every call, so a branch returns its forward's new keys and
+  values (`model.forward(write=False)`) zero-padded to the widest branch's
+  `width`, and `after_switch` writes them once. The padding lands in slots
+  past every row's new length. Where the layers wrote the cache themselves
+  (unrolled layers: `chunks` is None), the branch returns the cache.
 
   Args:
-    chunks: (new_k, new_v), each [L, B, T, K, H] (`model.forward(write=False)`).
-    width: T' >= T.
+    cache: the cache the branch's forward returned.
+    chunks: (new_k, new_v), each [L, B, T, K, H], or None.
+    width: T' >= T, the widest branch's chunk.
 
   Returns:
-    (new_k, new_v), each [L, B, T', K, H].
+    (new_k, new_v), each [L, B, T', K, H], or the cache.
   """
+  if chunks is None:
+    return cache
   return tuple(jnp.pad(c, [(0, 0), (0, 0), (0, width - c.shape[2]), (0, 0), (0, 0)])
                for c in chunks)
 
 
-def put(cache: KVCache, chunks: tuple[jax.Array, jax.Array], starts: jax.Array) -> KVCache:
-  """Writes a forward's new keys and values into both buffers at each row's offset.
+def after_switch(cache: KVCache, result, starts: jax.Array) -> KVCache:
+  """The cache after a switch whose branches returned `branch_result`s.
 
   Args:
-    cache: the cache (its lengths are kept).
-    chunks: (new_k, new_v), each [L, B, T, K, H].
-    starts: [B] int32 first slot to write in each row.
+    cache: the cache as it went into the switch (its lengths are kept).
+    result: what the chosen branch returned for the cache.
+    starts: [B] int32 first slot of each row's chunk.
 
   Returns:
-    The cache with the chunks written.
+    The cache with the chunk written (or the branch's cache).
   """
-  new_k, new_v = chunks
+  if isinstance(result, KVCache):
+    return result
+  new_k, new_v = result
   return cache.replace(k=write_chunks(cache.k, new_k, starts),
                        v=write_chunks(cache.v, new_v, starts))
 

@@ -89,11 +89,9 @@ typedef int32_t IVec __attribute__((vector_size(4 * kLanes)));
 // scaled by 2^n through the exponent bits; a few ulp from std::exp, and 0
 // below -87): the softmax's exponentials a vector at a time, where std::exp
 // was a library call per score that held long contexts back.
-inline Vec ExpNonPositive(Vec x) {
+inline Vec ExpNonPositive(Vec given) {
   const Vec lowest = -87.0f - Vec{};
-  const Vec zero = Vec{};
-  const Vec under = x < lowest ? zero - 1.0f : zero;  // lanes whose exp is 0 (as a mask of -1s)
-  x = x < lowest ? lowest : x;
+  const Vec x = given < lowest ? lowest : given;
   const Vec magic = 12582912.0f - Vec{};  // 1.5 * 2^23: adding it rounds to an integer
   const Vec n = (x * 1.44269504088896341f + magic) - magic;
   const Vec r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
@@ -106,7 +104,7 @@ inline Vec ExpNonPositive(Vec x) {
   p = p * (r * r) + r + 1.0f;
   const IVec bits = (__builtin_convertvector(n, IVec) + 127) << 23;
   const Vec scale = reinterpret_cast<const Vec&>(bits);
-  return under != zero ? zero : p * scale;
+  return given < lowest ? Vec{} : p * scale;  // below -87 (and -inf): 0
 }
 
 template <typename A, typename B>

@@ -288,25 +288,18 @@ def verify(params, spec: Spec, chunk: jax.Array, tcache: cache_lib.KVCache,
   if len(widths) == 1:
     return verdict(chunk, tcache)
 
-  # Each branch returns its keys and values padded to the full width, and
-  # they are written once, after the switch: a cache written inside the
-  # branches is copied into and out of the switch every round.
+  # The branches write the cache once, after the switch (`cache_lib.branch_result`).
   def branch(w: int):
     def fn(chunk, tcache):
       out, tcache, chunks = verdict(chunk[:, :w], tcache, write=False)
       pad = [(0, 0), (0, full - w)] + [(0, 0)] * (out.ndim - 2)
-      out = jnp.pad(out, pad, mode="edge")
-      if chunks is None:  # unrolled layers wrote the caches themselves
-        return out, tcache
-      return out, cache_lib.pad_chunks(chunks, full)
+      return jnp.pad(out, pad, mode="edge"), cache_lib.branch_result(tcache, chunks, full)
     return fn
 
-  out, written = jax.lax.switch(_width_index(widths, counted), [branch(w) for w in widths],
-                                chunk, tcache)
-  if isinstance(written, cache_lib.KVCache):
-    return out, written
-  return out, cache_lib.with_lengths(cache_lib.put(tcache, written, tcache.lengths),
-                                     tcache.lengths + full)
+  out, result = jax.lax.switch(_width_index(widths, counted), [branch(w) for w in widths],
+                               chunk, tcache)
+  written = cache_lib.after_switch(tcache, result, tcache.lengths)
+  return out, cache_lib.with_lengths(written, tcache.lengths + full)
 
 
 def _target_forward(params, spec: Spec, tokens: jax.Array, tcache: cache_lib.KVCache,

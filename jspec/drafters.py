@@ -115,9 +115,7 @@ def catch_up(arch: model.Arch, params, dcache: cache_lib.KVCache, tokens: jax.Ar
   table = jnp.asarray(widths, jnp.int32)
   widest = max(widths)
 
-  # As in `decode.verify`: each branch returns its keys and values padded to
-  # the widest chunk, written once after the switch, so that the switch does
-  # not copy the cache in and out.
+  # The branches write the cache once, after the switch (`cache_lib.branch_result`).
   def branch(w: int):
     def fn(dcache, start, last):
       chunk = _gather_rows(tokens, start[:, None] + jnp.arange(w)[None])  # [B, w]
@@ -125,8 +123,8 @@ def catch_up(arch: model.Arch, params, dcache: cache_lib.KVCache, tokens: jax.Ar
       logits, dcache, chunks = model.forward(arch, params, chunk,
                                              cache_lib.with_lengths(dcache, start),
                                              logits_at=at, write=False)
-      written = dcache if chunks is None else cache_lib.pad_chunks(chunks, widest)
-      return logits[:, 0], written, jnp.minimum(start + w, last + 1)
+      return (logits[:, 0], cache_lib.branch_result(dcache, chunks, widest),
+              jnp.minimum(start + w, last + 1))
     return fn
 
   def cond(carry):
@@ -137,12 +135,9 @@ def catch_up(arch: model.Arch, params, dcache: cache_lib.KVCache, tokens: jax.Ar
     dcache, logits, start = carry
     lacking = jnp.max(seq_len - start)
     index = jnp.minimum(jnp.searchsorted(table, lacking), len(widths) - 1)
-    step, written, new_start = jax.lax.switch(index, [branch(w) for w in widths],
-                                              dcache, start, seq_len - 1)
-    if isinstance(written, cache_lib.KVCache):  # unrolled layers wrote it in the branch
-      dcache = written
-    else:
-      dcache = cache_lib.put(dcache, written, start)
+    step, result, new_start = jax.lax.switch(index, [branch(w) for w in widths],
+                                             dcache, start, seq_len - 1)
+    dcache = cache_lib.after_switch(dcache, result, start)
     fed_last = (start < seq_len) & (new_start >= seq_len)  # this pass fed x_{n-1}
     logits = jnp.where(fed_last[:, None], step, logits)
     return dcache, logits, jnp.maximum(new_start, start)

@@ -152,9 +152,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.error(f"--long-tokens: {args.long_tokens}; expected 0 or more tokens")
   if args.child:
     text = LONG_TEXT.read_text(encoding="utf-8") if args.long_tokens else ""
-    names = [n for n in prompt_names if n != long_name(args.long_tokens)]
-    if args.long_tokens:
-      names.append(long_name(args.long_tokens))
+    names = prompt_names + ([long_name(args.long_tokens)] if args.long_tokens else [])
     result = _child(names, methods, args.max_new_tokens, args.long_tokens, text)
     with open(args.child, "w", encoding="utf-8") as f:
       json.dump(result, f)
