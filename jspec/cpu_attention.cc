@@ -65,15 +65,92 @@ inline float SumLanes(Vec v) {
 #endif
 }
 
-// sum_h a[h] * b[h] for h in [0, size): lanes first, then their sum
-// (`SumLanes`), then the tail; the same order for every call of one size.
-inline float Dot(const float* a, const float* b, int64_t size) {
-  Vec acc = Vec{};
+// Cached slots ahead of the one in use whose row is prefetched. A kv head's
+// row is H floats of a slot's K * H, so one head's slots lie 1 KiB or more
+// apart: a stride the hardware prefetcher did not follow, and the scores'
+// loop, one dependent chain of FMAs per key, kept few misses in flight, so
+// long contexts waited on memory a key at a time (docs/decisions.md,
+// "Attention kernel").
+constexpr int64_t kAheadSlots = 8;
+
+// Every cache line of a row of `size` floats, into L1.
+inline void PrefetchRow(const float* row, int64_t size) {
+  for (int64_t h = 0; h < size; h += 64 / sizeof(float)) __builtin_prefetch(row + h, 0, 3);
+}
+
+// out[i * out_stride] = scale * sum_h queries[i * size + h] * key[h] for i
+// in [0, N): each sum lanes first, then their sum (`SumLanes`), then the
+// tail, in the same order for every call of one size and whatever N is. The
+// key is read once for the N queries, and their chains of FMAs are
+// independent.
+template <int N>
+inline void Dots(const float* queries, const float* key, int64_t size, float scale, float* out,
+                 int64_t out_stride) {
+  Vec acc[N];
+  for (int i = 0; i < N; ++i) acc[i] = Vec{};
   int64_t h = 0;
-  for (; h + kLanes <= size; h += kLanes) acc += Load(a + h) * Load(b + h);
-  float sum = SumLanes(acc);
-  for (; h < size; ++h) sum += a[h] * b[h];
-  return sum;
+  for (; h + kLanes <= size; h += kLanes) {
+    const Vec k = Load(key + h);
+    for (int i = 0; i < N; ++i) acc[i] += Load(queries + i * size + h) * k;
+  }
+  for (int i = 0; i < N; ++i) {
+    float sum = SumLanes(acc[i]);
+    for (int64_t r = h; r < size; ++r) sum += queries[i * size + r] * key[r];
+    out[i * out_stride] = sum * scale;
+  }
+}
+
+// `Dots` for any n queries, kMaxDots at a time.
+constexpr int64_t kMaxDots = 8;
+inline void DotsAny(int64_t n, const float* queries, const float* key, int64_t size, float scale,
+                    float* out, int64_t out_stride) {
+  for (int64_t i = 0; i < n; i += kMaxDots) {
+    const float* qi = queries + i * size;
+    float* oi = out + i * out_stride;
+    switch (std::min(n - i, kMaxDots)) {
+      case 1: Dots<1>(qi, key, size, scale, oi, out_stride); break;
+      case 2: Dots<2>(qi, key, size, scale, oi, out_stride); break;
+      case 3: Dots<3>(qi, key, size, scale, oi, out_stride); break;
+      case 4: Dots<4>(qi, key, size, scale, oi, out_stride); break;
+      case 5: Dots<5>(qi, key, size, scale, oi, out_stride); break;
+      case 6: Dots<6>(qi, key, size, scale, oi, out_stride); break;
+      case 7: Dots<7>(qi, key, size, scale, oi, out_stride); break;
+      default: Dots<8>(qi, key, size, scale, oi, out_stride); break;
+    }
+  }
+}
+
+// Query heads whose weighted sums share one pass over the values: their
+// partial sums (4 vectors each) and the value's 4 vectors fit the registers.
+constexpr int64_t kSumHeads = kLanes == 16 ? 6 : 2;
+
+// acc[i * H + h] = sum_j p[i * visible + j] * value(j)[h] for i in [0, N),
+// h in [h0, h0 + 4 kLanes): each sum over j in slot order from zero, as one
+// query's alone, with each value row read once for the N of them.
+template <int N, typename ValueFn>
+inline void WeightedSums(const float* p, int64_t visible, int64_t cached, ValueFn value,
+                         const float* v_rows, int64_t kv_stride, int64_t size, int64_t h0,
+                         float* acc) {
+  Vec a[N][4];
+  for (int i = 0; i < N; ++i) {
+    for (int c = 0; c < 4; ++c) a[i][c] = Vec{};
+  }
+  for (int64_t j = 0; j < visible; ++j) {
+    if (j + kAheadSlots < cached) PrefetchRow(v_rows + (j + kAheadSlots) * kv_stride + h0, 4 * kLanes);
+    const float* v = value(j) + h0;
+    const Vec v0 = Load(v), v1 = Load(v + kLanes), v2 = Load(v + 2 * kLanes),
+              v3 = Load(v + 3 * kLanes);
+    for (int i = 0; i < N; ++i) {
+      const float pj = p[i * visible + j];
+      a[i][0] += pj * v0;
+      a[i][1] += pj * v1;
+      a[i][2] += pj * v2;
+      a[i][3] += pj * v3;
+    }
+  }
+  for (int i = 0; i < N; ++i) {
+    for (int c = 0; c < 4; ++c) Store(acc + i * size + h0 + c * kLanes, a[i][c]);
+  }
 }
 
 // out[h] += p * v[h] for h in [0, size).
@@ -134,10 +211,9 @@ void AttendHead(const Shapes& s, int64_t row, int64_t kv_head, int64_t layer, in
     const int64_t visible = cached + t + 1;
     const float* queries = q + ((row * s.t + t) * s.n + kv_head * s.group) * s.h;  // [G, H]
     for (int64_t j = 0; j < visible; ++j) {
+      if (j + kAheadSlots < cached) PrefetchRow(k_rows + (j + kAheadSlots) * kv_stride, s.h);
       const float* key = j < cached ? k_rows + j * kv_stride : k_chunk + (j - cached) * kv_stride;
-      for (int64_t g = 0; g < s.group; ++g) {
-        scores[g * visible + j] = Dot(queries + g * s.h, key, s.h) * scale;
-      }
+      DotsAny(s.group, queries, key, s.h, scale, scores.data() + j, visible);
     }
     for (int64_t g = 0; g < s.group; ++g) {
       float* row_scores = scores.data() + g * visible;
@@ -164,30 +240,35 @@ void AttendHead(const Shapes& s, int64_t row, int64_t kv_head, int64_t layer, in
       for (int64_t j = 0; j < visible; ++j) row_scores[j] *= inv;
     }
     // acc[g, h] = sum_j p[g, j] v_j[h], each sum over j in slot order from
-    // zero, a block of h at a time with its partial sums in registers (one
-    // pass over j per block, not a load and a store of acc per slot).
+    // zero, a block of h at a time with its partial sums in registers: one
+    // pass over j per block and kSumHeads heads (`WeightedSums`), not a load
+    // and a store of acc per slot, nor a pass over the values per head.
     auto value = [=](int64_t j) {
       return j < cached ? v_rows + j * kv_stride : v_chunk + (j - cached) * kv_stride;
     };
-    for (int64_t g = 0; g < s.group; ++g) {
-      const float* p = scores.data() + g * visible;
-      float* a = acc.data() + g * s.h;
-      int64_t h = 0;
-      for (; h + 4 * kLanes <= s.h; h += 4 * kLanes) {
-        Vec a0 = Vec{}, a1 = Vec{}, a2 = Vec{}, a3 = Vec{};
-        for (int64_t j = 0; j < visible; ++j) {
-          const float* v = value(j) + h;
-          a0 += p[j] * Load(v);
-          a1 += p[j] * Load(v + kLanes);
-          a2 += p[j] * Load(v + 2 * kLanes);
-          a3 += p[j] * Load(v + 3 * kLanes);
+    int64_t h = 0;
+    for (; h + 4 * kLanes <= s.h; h += 4 * kLanes) {
+      for (int64_t g = 0; g < s.group; g += kSumHeads) {
+        const float* p = scores.data() + g * visible;
+        float* a = acc.data() + g * s.h;
+        switch (std::min(s.group - g, kSumHeads)) {
+          case 1: WeightedSums<1>(p, visible, cached, value, v_rows, kv_stride, s.h, h, a); break;
+#if defined(__AVX512F__)
+          case 2: WeightedSums<2>(p, visible, cached, value, v_rows, kv_stride, s.h, h, a); break;
+          case 3: WeightedSums<3>(p, visible, cached, value, v_rows, kv_stride, s.h, h, a); break;
+          case 4: WeightedSums<4>(p, visible, cached, value, v_rows, kv_stride, s.h, h, a); break;
+          case 5: WeightedSums<5>(p, visible, cached, value, v_rows, kv_stride, s.h, h, a); break;
+          default: WeightedSums<6>(p, visible, cached, value, v_rows, kv_stride, s.h, h, a); break;
+#else
+          default: WeightedSums<2>(p, visible, cached, value, v_rows, kv_stride, s.h, h, a); break;
+#endif
         }
-        Store(a + h, a0);
-        Store(a + h + kLanes, a1);
-        Store(a + h + 2 * kLanes, a2);
-        Store(a + h + 3 * kLanes, a3);
       }
-      if (h < s.h) {  // head sizes that are not a multiple of 4 kLanes: the rest in memory
+    }
+    if (h < s.h) {  // head sizes that are not a multiple of 4 kLanes: the rest in memory
+      for (int64_t g = 0; g < s.group; ++g) {
+        const float* p = scores.data() + g * visible;
+        float* a = acc.data() + g * s.h;
         std::fill(a + h, a + s.h, 0.0f);
         for (int64_t j = 0; j < visible; ++j) Axpy(p[j], value(j) + h, a + h, s.h - h);
       }

@@ -64,14 +64,17 @@ def _attend(q, k_new, v_new, k_buf, v_buf, layer, starts):
 
 
 @pytest.mark.parametrize("t", [1, 4])
-@pytest.mark.parametrize("n,k,h", [(6, 2, 16), (4, 4, 20), (3, 1, 8), (6, 2, 128), (2, 1, 80)])
+@pytest.mark.parametrize("n,k,h", [(6, 2, 16), (4, 4, 20), (3, 1, 8), (6, 2, 128), (2, 1, 80),
+                                   (14, 2, 64), (10, 1, 32)])
 def test_attend_matches_the_written_cache_attention(t, n, k, h):
   # Groups of 3, 1 and 3 query heads per kv head; H = 20 leaves a tail past
   # the vector lanes; H = 128 (the real target's) and 80 go through the
-  # weighted sum's blocks of four vectors, 80 with a tail after them. Rows
-  # start at different slots, one at 0 (no cache).
+  # weighted sum's blocks of four vectors, 80 with a tail after them. Groups
+  # of 7 (the real draft's) and 10 take more than one batch of the scores'
+  # and the weighted sums' heads. Rows start at different slots, one at 0
+  # (no cache), one far enough in for the cache rows ahead to be prefetched.
   q, k_new, v_new, k_buf, v_buf = _operands(t, n, k, h)
-  starts = [7, 0]
+  starts = [19, 0]
   for layer in (0, 2):
     got = _attend(q, k_new, v_new, k_buf, v_buf, layer, starts)
     want = _reference(q, k_new, v_new, k_buf, v_buf, layer, starts)
