@@ -309,6 +309,12 @@ def _target_forward(params, spec: Spec, tokens: jax.Array, tcache: cache_lib.KVC
                        vocab_limit=spec.sampling.vocab_limit, **kwargs)
 
 
+def _target_logits(params, spec: Spec, x: jax.Array) -> jax.Array:
+  """`model.logits` of the target, with `_target_forward`'s greedy settings."""
+  return model.logits(spec.target, params, x, greedy=spec.sampling.greedy,
+                      vocab_limit=spec.sampling.vocab_limit)
+
+
 def _width_index(widths: tuple[int, ...], counted: jax.Array) -> jax.Array:
   """[] int32 index of the first width holding x_{n-1} and every row's counted drafts [B]."""
   index = jnp.searchsorted(jnp.asarray(widths, jnp.int32), jnp.max(counted) + 1)
@@ -386,7 +392,7 @@ def prefill(target_params, draft_params, prompt: jax.Array, prompt_len: jax.Arra
   per_row = spec.target.placement is None  # on a mesh the rows are split over devices
   logits, tcache = encode(
       lambda *a, **k: _target_forward(target_params, spec, *a, **k), tcache, prompt, prompt_len,
-      per_row=per_row)
+      per_row=per_row, head=lambda x: _target_logits(target_params, spec, x))
   p = sampling.probs(logits, samp)
   first = sampling.sample(jax.random.fold_in(key, 0), p, samp)  # [B]
   tokens = jnp.zeros((b, width), jnp.int32).at[:, :p_width].set(prompt)
@@ -436,7 +442,7 @@ def _placed(spec: Spec, state: State) -> State:
 
 
 def encode(forward, cache: cache_lib.KVCache, prompt: jax.Array, prompt_len: jax.Array,
-           chunk: int = PREFILL_CHUNK, per_row: bool = False):
+           chunk: int = PREFILL_CHUNK, per_row: bool = False, head=None):
   """Runs the prompts through a model in fixed-size chunks, inside one loop.
 
   The loop runs only as many chunks as the longest prompt fills, so a
@@ -445,11 +451,14 @@ def encode(forward, cache: cache_lib.KVCache, prompt: jax.Array, prompt_len: jax
   (docs/decisions.md, "Chunked prefill"). With `per_row`, a batch runs one
   row at a time, each as far as its own prompt: prefill is compute-bound,
   so a batch then costs the sum of its prompts, not B times the longest
-  (docs/decisions.md, "Serving batches").
+  (docs/decisions.md, "Serving batches"). The chunks return hidden states
+  (`model.forward(..., head=False)`), and the head runs once, after the
+  last chunk: the head is the largest matrix, read for one position.
 
   Args:
     forward: `model.forward` of the model, its arch and params bound:
-      (tokens [B, T], cache, logits_at=, fresh=) -> (logits, cache).
+      (tokens [B, T], cache, logits_at=, fresh=, head=False) ->
+      (hidden [B, 1, D], cache).
     cache: the model's empty cache.
     prompt: [B, P] int32 prompts, right-padded; P a multiple of the chunk
       (or smaller than it).
@@ -457,49 +466,54 @@ def encode(forward, cache: cache_lib.KVCache, prompt: jax.Array, prompt_len: jax
     chunk: static tokens per forward.
     per_row: static; run the rows one after another (one device only: on
       a mesh the rows are split over devices).
+    head: `model.logits` of the model, its arch and params bound: (hidden
+      [B, 1, D]) -> [B, 1, V]; None when the logits are not wanted (a
+      draft's prefill).
 
   Returns:
-    (logits [B, V] float32 at each row's last prompt token, the cache
-    holding each row's prompt).
+    (logits [B, V] float32 at each row's last prompt token, or None
+    without `head`; the cache holding each row's prompt).
   """
   # No row here must equal a one-row step's bit for bit (every mode prefills
   # alike), so the block products may take AMX tiles.
   with cpu_kernels.any_order():
-    return _encode(forward, cache, prompt, prompt_len, chunk, per_row)
+    return _encode(forward, cache, prompt, prompt_len, chunk, per_row, head)
 
 
 def _encode(forward, cache: cache_lib.KVCache, prompt: jax.Array, prompt_len: jax.Array,
-            chunk: int, per_row: bool):
+            chunk: int, per_row: bool, head):
   """`encode` (same args and returns)."""
   if per_row and prompt.shape[0] > 1:
-    return _encode_rows(forward, cache, prompt, prompt_len, chunk)
+    return _encode_rows(forward, cache, prompt, prompt_len, chunk, head)
   b, p_width = prompt.shape
   chunk = min(chunk, p_width)
   if p_width % chunk:
     raise ValueError(f"prompt width {p_width} is not a multiple of the prefill chunk {chunk}")
   last = prompt_len - 1  # [B]
   # The first chunk finds every cache empty: it attends to itself only.
-  logits, cache = forward(prompt[:, :chunk], cache,
-                          logits_at=jnp.clip(last, 0, chunk - 1)[:, None], fresh=True)
+  hidden, cache = forward(prompt[:, :chunk], cache,
+                          logits_at=jnp.clip(last, 0, chunk - 1)[:, None], fresh=True,
+                          head=False)  # [B, 1, D]
 
   def body(i, carry):
-    logits, cache = carry
+    hidden, cache = carry
     start = i * chunk
     tokens = jax.lax.dynamic_slice_in_dim(prompt, start, chunk, axis=1)  # [B, C]
     # Every row writes at `start`: a row whose prompt ended earlier writes
     # padding past its length, which the final lengths roll back.
     step, cache = forward(tokens, cache_lib.with_lengths(cache, jnp.full((b,), start)),
-                          logits_at=jnp.clip(last - start, 0, chunk - 1)[:, None])
+                          logits_at=jnp.clip(last - start, 0, chunk - 1)[:, None], head=False)
     here = (last >= start) & (last < start + chunk)  # [B] the row's last token is in this chunk
-    return jnp.where(here[:, None], step[:, 0], logits), cache
+    return jnp.where(here[:, None, None], step, hidden), cache
 
   chunks = (jnp.max(prompt_len) + chunk - 1) // chunk
-  logits, cache = jax.lax.fori_loop(1, chunks, body, (logits[:, 0], cache))
+  hidden, cache = jax.lax.fori_loop(1, chunks, body, (hidden, cache))
+  logits = None if head is None else head(hidden)[:, 0]  # [B, V]
   return logits, cache_lib.with_lengths(cache, prompt_len)
 
 
 def _encode_rows(forward, cache: cache_lib.KVCache, prompt: jax.Array, prompt_len: jax.Array,
-                 chunk: int):
+                 chunk: int, head):
   """`encode` of each row alone, written into the batch's cache (same args and returns).
 
   A row's forward is the batched one's with one row: the kernels, the norms
@@ -514,7 +528,17 @@ def _encode_rows(forward, cache: cache_lib.KVCache, prompt: jax.Array, prompt_le
         v=jax.lax.dynamic_slice_in_dim(cache.v, r, 1, axis=1),
         lengths=jax.lax.dynamic_slice_in_dim(cache.lengths, r, 1))
     return encode(forward, row_cache, jax.lax.dynamic_slice_in_dim(prompt, r, 1),
-                  jax.lax.dynamic_slice_in_dim(prompt_len, r, 1), chunk)
+                  jax.lax.dynamic_slice_in_dim(prompt_len, r, 1), chunk, head=head)
+
+  def put(cache, row_cache, r):
+    return cache_lib.KVCache(
+        k=jax.lax.dynamic_update_slice_in_dim(cache.k, row_cache.k, r, axis=1),
+        v=jax.lax.dynamic_update_slice_in_dim(cache.v, row_cache.v, r, axis=1),
+        lengths=cache.lengths)
+
+  if head is None:
+    cache = jax.lax.fori_loop(0, b, lambda r, cache: put(cache, one(r, cache)[1], r), cache)
+    return None, cache_lib.with_lengths(cache, prompt_len)
 
   logits_shape = jax.eval_shape(one, 0, cache)[0]  # [1, V]
   logits = jnp.zeros((b,) + logits_shape.shape[1:], logits_shape.dtype)  # [B, V]
@@ -522,11 +546,7 @@ def _encode_rows(forward, cache: cache_lib.KVCache, prompt: jax.Array, prompt_le
   def body(r, carry):
     logits, cache = carry
     row_logits, row_cache = one(r, cache)
-    cache = cache_lib.KVCache(
-        k=jax.lax.dynamic_update_slice_in_dim(cache.k, row_cache.k, r, axis=1),
-        v=jax.lax.dynamic_update_slice_in_dim(cache.v, row_cache.v, r, axis=1),
-        lengths=cache.lengths)
-    return jax.lax.dynamic_update_slice_in_dim(logits, row_logits, r, axis=0), cache
+    return jax.lax.dynamic_update_slice_in_dim(logits, row_logits, r, axis=0), put(cache, row_cache, r)
 
   logits, cache = jax.lax.fori_loop(0, b, body, (logits, cache))
   return logits, cache_lib.with_lengths(cache, prompt_len)

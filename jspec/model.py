@@ -265,7 +265,7 @@ def params_from_tensors(cfg: config_lib.Qwen2Config, tensors: dict[str, Any]) ->
 
 def forward(arch: Arch, params: Params, tokens: jax.Array, cache: cache_lib.KVCache,
             logits_at: Optional[jax.Array] = None, *, fresh: bool = False, greedy: bool = False,
-            vocab_limit: Optional[int] = None, write: bool = True):
+            vocab_limit: Optional[int] = None, write: bool = True, head: bool = True):
   """Pure functional forward pass: merges `params` into the modules and runs them.
 
   Args:
@@ -290,6 +290,10 @@ def forward(arch: Arch, params: Params, tokens: jax.Array, cache: cache_lib.KVCa
       (`cache_lib.write_chunks`). A caller that picks one of several
       forwards with `lax.switch` then writes once, after the switch: a cache
       written inside a branch is copied into and out of it.
+    head: static; False returns the last layer's hidden states at
+      logits_at ([B, T', D], before the final norm) in place of logits, for
+      `logits` to finish: a prefill reads the head once, after its last
+      chunk, not once per chunk.
 
   Returns:
     ([B, T', V] float32 logits, cache with lengths advanced by T); with
@@ -299,7 +303,25 @@ def forward(arch: Arch, params: Params, tokens: jax.Array, cache: cache_lib.KVCa
   """
   return merge(arch.cfg, params)(tokens, cache, logits_at, backend=arch.backend, fresh=fresh,
                                  greedy=greedy, vocab_limit=vocab_limit,
-                                 placement=arch.placement, write=write)
+                                 placement=arch.placement, write=write, head=head)
+
+
+def logits(arch: Arch, params: Params, x: jax.Array, *, greedy: bool = False,
+           vocab_limit: Optional[int] = None) -> jax.Array:
+  """The final norm and the head over hidden states from `forward(..., head=False)`.
+
+  Args:
+    arch: the model's config and backend (static).
+    params: its params tree.
+    x: [B, T', D] hidden states.
+    greedy: static; as in `forward`.
+    vocab_limit: static; as in `forward`.
+
+  Returns:
+    [B, T', V] float32 logits, the bits `forward` gives for the same rows.
+  """
+  return merge(arch.cfg, params).logits(x, backend=arch.backend, greedy=greedy,
+                                        vocab_limit=vocab_limit)
 
 
 def init_params(cfg: config_lib.Qwen2Config, key: jax.Array, dtype=jnp.float32,

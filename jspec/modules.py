@@ -264,7 +264,8 @@ class Qwen2(nnx.Module):
   def __call__(self, tokens, cache: cache_lib.KVCache, logits_at: Optional[jax.Array] = None, *,
                backend: model.Backend = model.Backend(), fresh: bool = False, greedy: bool = False,
                vocab_limit: Optional[int] = None,
-               placement: Optional[sharding.Placement] = None, write: bool = True):
+               placement: Optional[sharding.Placement] = None, write: bool = True,
+               head: bool = True):
     """Runs T new tokens per row after each row's cached prefix (see `forward`)."""
     t = tokens.shape[1]
     starts = cache.lengths
@@ -286,22 +287,26 @@ class Qwen2(nnx.Module):
                                 placement=placement)
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)  # [B, T', D]
+    logits = self.logits(x, backend=backend, greedy=greedy, vocab_limit=vocab_limit) if head else x
+    cache = cache.replace(k=k_buf, v=v_buf, lengths=starts + t)
+    if write:
+      return logits, cache
+    return logits, cache, chunks
+
+  def logits(self, x, *, backend: model.Backend = model.Backend(), greedy: bool = False,
+             vocab_limit: Optional[int] = None):
+    """The final norm and the head: [B, T', D] hidden states -> [B, T', V] float32 logits (see `forward`)."""
     x = self.norm(x)
     head = model.head_of(self)  # [D, V]
     bound = self.greedy_head.get_value()
     b, t_out, d = x.shape
     if self.vocab_head.get_value() is not None:
-      logits = model.subset_logits(x, self.vocab_head.get_value(), self.vocab_ids.get_value(),
-                                   self.cfg.vocab_size, head, self.vocab_extra.get_value())
-    elif greedy and bound is not None and greedy_head.applies(b * t_out, head, backend.kernels):
-      logits = greedy_head.logits(x.reshape(b * t_out, d), head.p, bound,
-                                  vocab_limit).reshape(b, t_out, -1)
-    else:
-      logits = weights.dot(x, head, out_dtype=jnp.float32).astype(jnp.float32)
-    cache = cache.replace(k=k_buf, v=v_buf, lengths=starts + t)
-    if write:
-      return logits, cache
-    return logits, cache, chunks
+      return model.subset_logits(x, self.vocab_head.get_value(), self.vocab_ids.get_value(),
+                                 self.cfg.vocab_size, head, self.vocab_extra.get_value())
+    if greedy and bound is not None and greedy_head.applies(b * t_out, head, backend.kernels):
+      return greedy_head.logits(x.reshape(b * t_out, d), head.p, bound,
+                                vocab_limit).reshape(b, t_out, -1)
+    return weights.dot(x, head, out_dtype=jnp.float32).astype(jnp.float32)
 
   def _scan_layers(self, x, positions, k_buf, v_buf, starts, backend: model.Backend, fresh: bool):
     """The decoder layers as one `lax.scan`: each forward compiles one layer, not L.

@@ -253,7 +253,9 @@ def _encode_program(target, prompt, prompt_len):
 
   def run(params, prompt, prompt_len):
     forward = lambda *a, **k: model.forward(target.arch, params, *a, **k)
-    return decode.encode(forward, cache_lib.init(cfg, prompt.shape[0], 64), prompt, prompt_len)[0]
+    head = lambda x: model.logits(target.arch, params, x)
+    return decode.encode(forward, cache_lib.init(cfg, prompt.shape[0], 64), prompt, prompt_len,
+                         head=head)[0]
 
   return jax.jit(run), (target.params, prompt, prompt_len)
 

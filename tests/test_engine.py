@@ -415,8 +415,9 @@ def test_a_chunked_prefill_equals_one_forward_over_the_prompt(chunk, per_row):
   prompt = jnp.asarray([tiny.prompt(i, 32) for i in range(3)]) * (
       jnp.arange(32)[None] < lengths[:, None])
   fwd = lambda *a, **k: model.forward(m.arch, m.params, *a, **k)
+  head = lambda x: model.logits(m.arch, m.params, x)
   logits, cache = decode.encode(fwd, cache_lib.init(m.cfg, 3, 40), prompt, lengths, chunk,
-                                per_row=per_row)
+                                per_row=per_row, head=head)
   whole, fresh = fwd(prompt, cache_lib.init(m.cfg, 3, 40), (lengths - 1)[:, None])
   np.testing.assert_array_equal(cache.lengths, lengths)
   chex.assert_trees_all_close(logits, whole[:, 0], atol=1e-5)
@@ -438,13 +439,14 @@ def test_a_batch_prefilled_row_by_row_is_bit_for_bit_each_row_prefilled_alone():
   prompt = np.asarray([tiny.prompt(i, 32) for i in range(4)]) * (
       np.arange(32)[None] < np.asarray(lengths)[:, None])
   fwd = lambda *a, **k: model.forward(m.arch, m.params, *a, **k)
-  encode = jax.jit(decode.encode, static_argnums=(0, 4), static_argnames="per_row")
+  head = lambda x: model.logits(m.arch, m.params, x)
+  encode = jax.jit(decode.encode, static_argnums=(0, 4), static_argnames=("per_row", "head"))
   logits, cache = encode(fwd, cache_lib.init(m.cfg, 4, 40), prompt, np.asarray(lengths), 8,
-                         per_row=True)
+                         per_row=True, head=head)
   np.testing.assert_array_equal(cache.lengths, lengths)
   for row, n in enumerate(lengths):
     one_logits, one = encode(fwd, cache_lib.init(m.cfg, 1, 40), prompt[row:row + 1],
-                             np.asarray([n]), 8)
+                             np.asarray([n]), 8, head=head)
     np.testing.assert_array_equal(logits[row], one_logits[0])
     np.testing.assert_array_equal(cache.k[:, row, :n], one.k[:, 0, :n])
     np.testing.assert_array_equal(cache.v[:, row, :n], one.v[:, 0, :n])

@@ -53,7 +53,7 @@ def _time(m, lengths: list[int], max_new: int, reps: int) -> dict:
   def way(per_row):  # params as an argument: a closure would copy them into the program
     return jax.jit(lambda w, p, n: decode.encode(
         functools.partial(model.forward, m.arch, w), cache_lib.init(m.cfg, len(lengths), width),
-        p, n, per_row=per_row)[0])
+        p, n, per_row=per_row, head=functools.partial(model.logits, m.arch, w))[0])
 
   ways = {"together": way(False), "row_by_row": way(True)}
   logits = {name: np.asarray(jax.block_until_ready(fn(m.params, prompt, prompt_len)))

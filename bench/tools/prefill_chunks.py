@@ -75,12 +75,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       prompt = jnp.asarray(np.pad(ids, ((0, 0), (0, p_width - n))))
       ways[f"chunk{chunk}"] = (jax.jit(lambda w, p, c=chunk: decode.encode(
           functools.partial(model.forward, m.arch, w), cache_lib.init(cfg, 1, width), p,
-          jnp.asarray([n]), c)[0]), prompt)
+          jnp.asarray([n]), c, head=functools.partial(model.logits, m.arch, w))[0]), prompt)
     old = _old_width(n)
     prompt = jnp.asarray(np.pad(ids, ((0, 0), (0, old - n))))
     ways["one_forward"] = (jax.jit(lambda w, p: decode.encode(
         functools.partial(model.forward, m.arch, w), cache_lib.init(cfg, 1, width), p,
-        jnp.asarray([n]), old)[0]), prompt)
+        jnp.asarray([n]), old, head=functools.partial(model.logits, m.arch, w))[0]), prompt)
     times = {name: [] for name in ways}
     logits = {}
     for name, (fn, prompt) in ways.items():  # compile and warm up
