@@ -9,6 +9,7 @@ import chex
 import hypothesis
 import hypothesis.strategies as st
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -427,6 +428,34 @@ def test_a_chunked_prefill_equals_one_forward_over_the_prompt(chunk, per_row):
   for row, n in enumerate(lengths.tolist()):
     chex.assert_trees_all_close((cache.k[:, row, :n], cache.v[:, row, :n]),
                                 (fresh.k[:, row, :n], fresh.v[:, row, :n]), atol=5e-5)
+
+
+def _vocab_wide_in_loops(jaxpr, vocab, in_loop=False):
+  """Equations inside while loops (at any depth) with an output [..., vocab] wide."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if in_loop and any(getattr(v.aval, "shape", ())[-1:] == (vocab,) for v in eqn.outvars):
+      found.append(eqn.primitive.name)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += _vocab_wide_in_loops(sub, vocab, in_loop or eqn.primitive.name == "while")
+  return found
+
+
+def test_a_prefill_reads_the_head_once_after_its_chunks():
+  # The chunk loop carries hidden states; the head runs once, after it
+  # (the draft's prefill, with no head, not at all). *Planted*: logits
+  # computed in every chunk again.
+  vocab = 53  # no other dimension of the tiny models
+  bundle = tiny.pair(15, vocab=vocab)
+  lengths = jnp.asarray([5, 30])
+  prompt = jnp.asarray([tiny.prompt(i, 32, vocab) for i in range(2)])
+  for m, head in ((bundle.target, True), (bundle.draft, False)):
+    fwd = lambda *a, m=m, **k: model.forward(m.arch, m.params, *a, **k)
+    logits_fn = (lambda x, m=m: model.logits(m.arch, m.params, x)) if head else None
+    jaxpr = jax.make_jaxpr(lambda p, n, m=m, f=fwd, h=logits_fn: decode.encode(
+        f, cache_lib.init(m.cfg, 2, 40), p, n, 8, head=h))(prompt, lengths)
+    assert _vocab_wide_in_loops(jaxpr.jaxpr, vocab) == []
+    assert (jaxpr.out_avals[0].shape == (2, vocab)) == head
 
 
 def test_a_batch_prefilled_row_by_row_is_bit_for_bit_each_row_prefilled_alone():
