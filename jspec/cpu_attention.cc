@@ -136,7 +136,9 @@ inline void WeightedSums(const float* p, int64_t visible, int64_t cached, ValueF
     for (int c = 0; c < 4; ++c) a[i][c] = Vec{};
   }
   for (int64_t j = 0; j < visible; ++j) {
-    if (j + kAheadSlots < cached) PrefetchRow(v_rows + (j + kAheadSlots) * kv_stride + h0, 4 * kLanes);
+    if (j + kAheadSlots < cached) {
+      PrefetchRow(v_rows + (j + kAheadSlots) * kv_stride + h0, 4 * kLanes);
+    }
     const float* v = value(j) + h0;
     const Vec v0 = Load(v), v1 = Load(v + kLanes), v2 = Load(v + 2 * kLanes),
               v3 = Load(v + 3 * kLanes);

@@ -546,7 +546,8 @@ def _encode_rows(forward, cache: cache_lib.KVCache, prompt: jax.Array, prompt_le
   def body(r, carry):
     logits, cache = carry
     row_logits, row_cache = one(r, cache)
-    return jax.lax.dynamic_update_slice_in_dim(logits, row_logits, r, axis=0), put(cache, row_cache, r)
+    logits = jax.lax.dynamic_update_slice_in_dim(logits, row_logits, r, axis=0)
+    return logits, put(cache, row_cache, r)
 
   logits, cache = jax.lax.fori_loop(0, b, body, (logits, cache))
   return logits, cache_lib.with_lengths(cache, prompt_len)

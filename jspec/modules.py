@@ -295,7 +295,10 @@ class Qwen2(nnx.Module):
 
   def logits(self, x, *, backend: model.Backend = model.Backend(), greedy: bool = False,
              vocab_limit: Optional[int] = None):
-    """The final norm and the head: [B, T', D] hidden states -> [B, T', V] float32 logits (see `forward`)."""
+    """The final norm and the head: [B, T', D] hidden states -> [B, T', V] float32 logits.
+
+    See `model.logits`; `__call__` ends with it unless told `head=False`.
+    """
     x = self.norm(x)
     head = model.head_of(self)  # [D, V]
     bound = self.greedy_head.get_value()
